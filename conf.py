@@ -1,0 +1,220 @@
+"""Sphinx configuration for the bilingual (en/es) Pallas TPU kernels site.
+
+The Sphinx source directory is the repository root. Build one language with::
+
+    python -m sphinx -b html -D language=es . _build/html/es
+
+(``make docs`` builds both languages and the redirecting ``_build/html/index.html``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+from docutils import nodes
+from sphinx.transforms import SphinxTransform
+
+ROOT = Path(__file__).resolve().parent
+
+# Import the package under documentation from this checkout (autodoc).
+sys.path.insert(0, str(ROOT))
+# libtpu takes a process lockfile; the Sphinx process (autodoc imports) and the
+# notebook kernels myst-nb starts may both load it.  Kernels inherit this env.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+with open(ROOT / "pyproject.toml", "rb") as _f:
+    _pyproject = tomllib.load(_f)["project"]
+
+# -- Project -----------------------------------------------------------------
+project = "Pallas TPU kernels"
+author = "pallas-kernels maintainers"
+copyright = "pallas-kernels maintainers"
+release = _pyproject["version"]
+version = release
+REPOSITORY_URL = _pyproject["urls"]["Source"].rstrip("/")
+REPOSITORY_BRANCH = "main"
+
+# -- General -----------------------------------------------------------------
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+    "sphinx.ext.mathjax",
+]
+root_doc = "index"
+templates_path = ["docs/_templates"]
+html_static_path = ["docs/_static"]
+exclude_patterns = [
+    ".venv*",
+    "_build",
+    ".ci",
+    "tests",
+    "tools",
+    "kernels",
+    "README.md",
+    "**/*.py",
+    "notebooks/*.ipynb",
+    "docs/locale",
+    "docs/_templates",
+    "docs/_static",
+    ".hypothesis",
+    ".pytest_cache",
+    "**/.ipynb_checkpoints",
+    "*.egg-info",
+    ".git",
+    ".github",
+]
+# myst-nb registers ``.md`` (and ``.ipynb``) for its parser.  A ``.md`` file is
+# read as a notebook only when its front matter has ``jupytext`` ->
+# ``text_representation`` -> ``format_name: myst``; any other ``.md`` is parsed
+# as a plain MyST page.
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
+
+# -- MyST --------------------------------------------------------------------
+myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# -- myst-nb -----------------------------------------------------------------
+# tests/test_notebooks.py executes the notebooks and stores them in this same
+# cache, so ``make docs`` after ``make test`` does not execute them again.
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(ROOT / "_build" / ".jupyter_cache")
+nb_execution_timeout = 600
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+
+# -- autodoc -----------------------------------------------------------------
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = True
+
+# -- i18n --------------------------------------------------------------------
+language = "en"
+locale_dirs = ["docs/locale/"]
+gettext_compact = False
+gettext_uuid = False
+gettext_location = False
+gettext_auto_build = True
+
+#: Languages the site is built in: code -> name of the language in itself.
+LANGUAGES = {"en": "English", "es": "Español"}
+
+# -- HTML --------------------------------------------------------------------
+html_theme = "sphinx_book_theme"
+html_title = project
+html_css_files = ["site.css"]
+html_theme_options = {
+    "repository_url": REPOSITORY_URL,
+    "repository_branch": REPOSITORY_BRANCH,
+    "path_to_docs": "",
+    "use_repository_button": True,
+    "launch_buttons": {
+        "colab_url": "https://colab.research.google.com",
+        "notebook_interface": "jupyterlab",
+    },
+    "home_page_in_toc": True,
+    # Language switcher first, then the theme's own buttons.
+    "article_header_end": ["language-switcher.html", "article-header-buttons.html"],
+}
+html_context = {"languages": LANGUAGES}
+
+KAGGLE_URL = "https://kaggle.com/kernels/welcome?src="
+COLAB_URL = html_theme_options["launch_buttons"]["colab_url"]
+
+
+def _notebook_github_url(pagename: str) -> str:
+    """GitHub blob URL of the paired, output-free ``.ipynb`` of a notebook page."""
+    return f"{REPOSITORY_URL}/blob/{REPOSITORY_BRANCH}/{pagename}.ipynb"
+
+
+def _is_notebook_page(app, pagename: str) -> bool:
+    return "kernelspec" in app.env.metadata.get(pagename, {})
+
+
+def _add_language_links(app, pagename, templatename, context, doctree):
+    """Link every page to the same page in each other language.
+
+    Both languages are built side by side (``_build/html/<lang>/``), so the link
+    climbs out of the page's own directory and out of the language directory.
+    """
+    current = app.config.language or "en"
+    target = app.builder.get_target_uri(pagename)
+    up = "../" * (target.count("/") + 1)
+    context["language_links"] = [
+        {
+            "code": code,
+            "name": name,
+            "url": f"{up}{code}/{target}",
+            "current": code == current,
+        }
+        for code, name in LANGUAGES.items()
+    ]
+
+
+def _add_notebook_launch_links(app, pagename, templatename, context, doctree):
+    """Colab and Kaggle links on notebook pages.
+
+    The links open the paired ``.ipynb`` (kept in sync with the MyST ``.md`` by
+    ``make sync``), since neither Colab nor Kaggle reads MyST markdown.  They
+    are shown both in the theme's "launch" dropdown and as badges under the
+    page title.  Runs after the theme (priority 501) built its buttons.
+    """
+    if not _is_notebook_page(app, pagename):
+        return
+    github_url = _notebook_github_url(pagename)
+    colab = f"{COLAB_URL}/github/{github_url.removeprefix('https://github.com/')}"
+    kaggle = f"{KAGGLE_URL}{github_url}"
+    context["notebook_launch"] = {"colab": colab, "kaggle": kaggle}
+
+    for group in context.get("header_buttons", []):
+        if group.get("label") != "launch-buttons":
+            continue
+        for button in group["buttons"]:
+            if button.get("text") == "Colab":
+                button["url"] = colab  # always the .ipynb, even if not synced
+        group["buttons"].append(
+            {
+                "type": "link",
+                "text": "Kaggle",
+                "tooltip": "Kaggle",
+                "icon": "fab fa-kaggle",
+                "url": kaggle,
+            }
+        )
+
+    badges = app.builder.templates.render("notebook-launch.html", context)
+    body = context.get("body", "")
+    end_of_title = body.find("</h1>")
+    if end_of_title >= 0:
+        end_of_title += len("</h1>")
+        context["body"] = body[:end_of_title] + badges + body[end_of_title:]
+    else:
+        context["body"] = badges + body
+
+
+class UntranslatableDocstrings(SphinxTransform):
+    """Keep API docstrings out of the message catalogs.
+
+    Docstrings change with the code (owned by the kernel authors) and the API
+    reference is kept in English; only the prose around it is translated.
+    Runs before the i18n ``Locale`` transform (priority 20).
+    """
+
+    default_priority = 15
+
+    def apply(self, **kwargs):
+        for node in self.document.findall(nodes.TextElement):
+            if "docstring of " in (node.source or ""):
+                node["translatable"] = False
+
+
+def setup(app):
+    app.connect("html-page-context", _add_language_links)
+    app.connect("html-page-context", _add_notebook_launch_links, priority=600)
+    app.add_transform(UntranslatableDocstrings)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
