@@ -1,0 +1,51 @@
+# One entry point. `make docs` builds the bilingual site, `make test` runs every test.
+# Both create .venv with python3 (3.11+) if it is missing and install the project into it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+SPHINX := $(BIN)/python -m sphinx
+SPHINXOPTS ?= -W --keep-going -q
+
+.PHONY: venv docs html-en html-es test test-unit test-notebooks gettext translations-check sync sync-check clean
+
+venv: $(STAMP)
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[docs,test,tpu]"
+	@touch $@
+
+# --- site -----------------------------------------------------------------
+docs: $(STAMP)
+	$(SPHINX) -b html $(SPHINXOPTS) -d _build/doctrees/en -D language=en . _build/html/en
+	$(SPHINX) -b html $(SPHINXOPTS) -d _build/doctrees/es -D language=es . _build/html/es
+	$(BIN)/python tools/site.py redirect _build/html
+	@echo "Site built: _build/html/index.html (en/ and es/)"
+
+# Extract messages and merge them into docs/locale/es (then translate the .po files).
+gettext: $(STAMP)
+	$(BIN)/python tools/i18n.py update
+
+translations-check: $(STAMP)
+	$(BIN)/python tools/i18n.py check
+
+# --- notebooks: keep the paired .ipynb (no outputs) in sync with the MyST .md ---
+sync: $(STAMP)
+	$(BIN)/python tools/site.py sync
+
+sync-check: $(STAMP)
+	$(BIN)/python tools/site.py sync-check
+
+# --- tests ----------------------------------------------------------------
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -m "not notebook"
+
+test-notebooks: $(STAMP)
+	$(BIN)/python -m pytest -m notebook
+
+clean:
+	rm -rf _build

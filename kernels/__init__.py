@@ -1,0 +1,23 @@
+"""Pallas TPU kernels, their pure-JAX references, and the tools to check and time them.
+
+``import kernels`` first prepares the process for the TPU compiler's cost model
+(see :mod:`kernels._env`); import it before JAX initialises a backend.
+"""
+from kernels import _env  # noqa: F401  (must run before libtpu loads)
+from kernels import backend, errors, hardware, roofline, tiling, timing, tpu
+from kernels.backend import dispatch, target_chip
+from kernels.errors import (CompileError, EstimatorUnavailableError, KernelError, NoImplementationError,
+                            TilingError, VmemOverflowError)
+from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
+from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
+from kernels.timing import Measurement, benchmark
+from kernels.tpu import Estimate, TpuCompilation, compile_for_tpu, estimate_tpu, estimator_available
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
+    "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
+    "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",
+    "matmul_cost", "roofline_of", "target_chip",
+]

@@ -1,0 +1,351 @@
+"""Compile for TPU and estimate TPU time on a host that has no TPU.
+
+* :func:`compile_for_tpu` runs the real Mosaic and XLA:TPU compilers against a
+  compile-only TPU device (``jax.experimental.topologies``). VMEM overflows, bad
+  tilings and unsupported ops fail here exactly as they would on a TPU.
+* :func:`estimate_tpu` reads the compiler's static cost model: with
+  ``--xla_jf_dump_static_llo_profile_to`` set before libtpu loads (``import kernels``
+  does it on hosts without a TPU), every compile writes ``estimated_cycles`` per op.
+  Cycles divided by the chip clock give a **compiler estimate** of the run time:
+  5-20% optimistic in absolute terms, but faithful in kernel-versus-kernel ratios
+  (see the calibration notebook). It simulates control flow that depends on program
+  ids; it does not simulate control flow that depends on data (scalar-prefetched
+  tables), so any estimate faster than the roofline is flagged invalid.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from kernels import _env
+from kernels.backend import target
+from kernels.errors import CompileError, EstimatorUnavailableError, KernelError
+from kernels.hardware import TPU_GENERATIONS, Chip, get_chip
+from kernels.roofline import Roofline, roofline
+
+_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+  """Sends C-level stderr (libtpu's host warnings) to a file; yields a reader for it."""
+  with tempfile.TemporaryFile(mode="w+b") as sink:
+    try:
+      saved = os.dup(2)
+    except OSError:  # pragma: no cover - no fd 2
+      yield lambda: ""
+      return
+    os.dup2(sink.fileno(), 2)
+    try:
+      yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1]
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+@functools.cache
+def tpu_device(generation: str = "v5e") -> jax.Device:
+  """A compile-only TPU device of ``generation`` (v4, v5e, v5p or v6e)."""
+  chip = get_chip(generation)
+  if chip.name not in TPU_GENERATIONS:
+    raise KernelError("generation", generation, f"must be a TPU generation, one of {TPU_GENERATIONS}")
+  from jax.experimental import topologies
+  errors = []
+  with _lock, _quiet_stderr():
+    for name in chip.topologies:
+      try:
+        return topologies.get_topology_desc(topology_name=name, platform="tpu").devices[0]
+      except Exception as e:  # noqa: BLE001 - try the next spelling
+        errors.append(f"{name}: {str(e).splitlines()[0][:200]}")
+  raise RuntimeError(f"no compile-only TPU {chip.name} device (is jax[tpu] installed?): " + "; ".join(errors))
+
+
+def available() -> bool:
+  """True if libtpu is installed, so TPU programs can be compiled here."""
+  try:
+    tpu_device("v5e")
+    return True
+  except Exception:  # noqa: BLE001
+    return False
+
+
+def _abstract(args, device) -> Any:
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)),
+                                        jax.sharding.PartitionSpec())
+
+  def leaf(x):
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+  return jax.tree.map(leaf, args)
+
+
+@dataclasses.dataclass
+class TpuCompilation:
+  """A program compiled for a TPU generation."""
+
+  generation: str
+  compiled: Any
+  """The :class:`jax.stages.Compiled` object (None when compiled in a child process)."""
+  hlo: str
+  """Optimised HLO text of the compiled module."""
+  vmem_bytes: int | None
+  """Scoped VMEM the Pallas kernels reserve (largest ``used_scoped_memory_configs``), or None."""
+  memory: dict
+  """``memory_analysis()`` of the program in bytes: argument, output, temp, generated code."""
+  compile_seconds: float
+
+  def __str__(self) -> str:
+    vmem = "n/a" if self.vmem_bytes is None else f"{self.vmem_bytes / 2**20:.2f} MiB"
+    return (f"compiled for TPU {self.generation} in {self.compile_seconds:.1f} s; kernel VMEM {vmem}; "
+            f"temp HBM {self.memory.get('temp', 0) / 2**20:.1f} MiB")
+
+
+def _vmem_from_hlo(hlo: str) -> int | None:
+  sizes = []
+  for block in re.findall(r'used_scoped_memory_configs\\?"\s*:\s*\[(.*?)\]', hlo):
+    total = 0
+    for space, size in re.findall(r'memory_space\\?"\s*:\s*\\?"(\d+)\\?"[^}]*?size\\?"\s*:\s*\\?"(\d+)', block):
+      if space == "1":  # VMEM
+        total += int(size)
+    sizes.append(total)
+  return max(sizes) if sizes else None
+
+
+def _memory(compiled) -> dict:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001
+    return {}
+  if m is None:
+    return {}
+  return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+          "temp": m.temp_size_in_bytes, "generated_code": m.generated_code_size_in_bytes}
+
+
+_VMEM_PAT = re.compile(r"(vmem|scoped vmem|VMEM)", re.I)
+
+
+def _readable(e: Exception, generation: str) -> CompileError:
+  text = str(e)
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  if "Ran out of memory in memory space vmem" in text or "scoped vmem limit" in text or "exceed memory" in text and _VMEM_PAT.search(text):
+    m = (re.search(r"Scoped allocation with size ([\d.]+\w?) and limit ([\d.]+\w?)", text)
+         or re.search(r"Used ([\d.]+\w?) of ([\d.]+\w?) vmem", text))
+    what = f"needs {m.group(1)} of VMEM but the limit is {m.group(2)}" if m else "out of VMEM"
+    err = CompileError(f"{what}: use smaller blocks or raise vmem_limit_bytes", generation=generation, details=text)
+    err.kind = "vmem"
+    return err
+  if "block shape" in text and "divisible by" in text:
+    err = CompileError(lines[0], generation=generation, details=text)
+    err.kind = "tiling"
+    return err
+  key = next((ln for ln in lines if "Mosaic failed" in ln or "Not implemented" in ln or "error" in ln.lower()),
+             lines[0] if lines else type(e).__name__)
+  detail = next((ln for ln in lines if ln.startswith("Not implemented") or "MLIR operation" in ln), "")
+  err = CompileError(f"{type(e).__name__}: {key}" + (f" ({detail})" if detail and detail != key else ""),
+                     generation=generation, details=text)
+  err.kind = "mosaic" if "Mosaic" in text else "xla"
+  return err
+
+
+# The static profiler aborts the whole process when it meets a chip it cannot model
+# (v4: "Dma latency model is currently only supported on VF/VL/GF/GL"). While it is on,
+# other generations compile in a child process without it (see _compile_elsewhere).
+PROFILED_GENERATIONS = ("v5e", "v5p", "v6e")
+
+
+def _compile_elsewhere(f, args, chip: Chip) -> TpuCompilation:
+  """Exports the program for TPU here, then compiles it in a child process without the profiler."""
+  import subprocess
+  import sys
+  from jax import export
+  t0 = time.perf_counter()
+  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+  with _lock, target(chip):
+    try:
+      blob = export.export(f, platforms=("tpu",))(*plain).serialize()
+    except KernelError:
+      raise
+    except Exception as e:  # noqa: BLE001
+      raise _readable(e, chip.name) from e
+  with tempfile.NamedTemporaryFile(suffix=".jaxexport", delete=False) as fh:
+    fh.write(blob)
+  env = dict(os.environ, KERNELS_STATIC_PROFILE="0", JAX_PLATFORMS="cpu")
+  try:
+    proc = subprocess.run([sys.executable, "-m", "kernels._compile_worker", fh.name, chip.name],
+                          capture_output=True, text=True, env=env, timeout=1800)
+  finally:
+    os.remove(fh.name)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    raise RuntimeError(f"TPU {chip.name} compile worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+  import json
+  out = json.loads(lines[-1])
+  if not out["ok"]:
+    err = CompileError(out["message"], generation=chip.name, details=out.get("details", ""))
+    err.kind = out.get("kind", "xla")
+    raise err
+  return TpuCompilation(chip.name, None, out["hlo"], out["vmem_bytes"], out["memory"], time.perf_counter() - t0)
+
+
+def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", **kwargs) -> TpuCompilation:
+  """Compiles ``fn(*args, **kwargs)`` for a TPU ``generation`` on any host.
+
+  ``args`` may be arrays or :class:`jax.ShapeDtypeStruct` (pytrees allowed); ``kwargs``
+  are static. Kernels traced here see :func:`kernels.backend.target_chip` ==
+  ``generation`` and pick that generation's defaults. Compiler failures become a
+  :class:`~kernels.errors.CompileError` (a :class:`KernelError`) whose ``kind`` is
+  ``"vmem"``, ``"tiling"``, ``"mosaic"`` or ``"xla"``.
+  """
+  chip = get_chip(generation)
+  f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
+  if (_env.STATIC_PROFILE_DIR is not None and chip.name not in PROFILED_GENERATIONS
+      and os.environ.get("KERNELS_STATIC_PROFILE") != "0"):
+    return _compile_elsewhere(f, args, chip)
+  device = tpu_device(chip.name)
+  abstract = _abstract(args, device)
+  t0 = time.perf_counter()
+  with _lock, target(chip), _quiet_stderr():
+    try:
+      compiled = f.lower(*abstract).compile()
+    except KernelError:
+      raise
+    except Exception as e:  # noqa: BLE001 - every compiler failure gets a readable error
+      raise _readable(e, chip.name) from e
+  hlo = compiled.as_text() or ""
+  return TpuCompilation(chip.name, compiled, hlo, _vmem_from_hlo(hlo), _memory(compiled),
+                        time.perf_counter() - t0)
+
+
+# --- the static cost model --------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Estimate:
+  """A **compiler estimate** of TPU run time (never a measurement)."""
+
+  generation: str
+  cycles: int
+  ops: dict[str, int]
+  """Estimated cycles per HLO op (Pallas kernels appear under their kernel name)."""
+  clock_hz: float
+  roofline: Roofline | None = None
+  compile_seconds: float = 0.0
+  vmem_bytes: int | None = None
+
+  @property
+  def seconds(self) -> float:
+    return self.cycles / self.clock_hz
+
+  @property
+  def label(self) -> str:
+    return f"compiler estimate, TPU {self.generation}"
+
+  @property
+  def fraction_of_roofline(self) -> float | None:
+    """Roofline time / estimated time (1.0 = at the bound); None without flops/bytes."""
+    return None if self.roofline is None else self.roofline.fraction(self.seconds)
+
+  @property
+  def valid(self) -> bool:
+    """False when the estimate beats the roofline, which no real run can: the cost model
+    did not see data-dependent control flow (e.g. scalar-prefetched block tables)."""
+    f = self.fraction_of_roofline
+    return f is None or f <= 1.0 + 1e-9
+
+  @property
+  def flops_per_second(self) -> float | None:
+    return None if self.roofline is None else self.roofline.flops / self.seconds
+
+  def as_dict(self) -> dict:
+    return {"generation": self.generation, "kind": "compiler estimate", "cycles": self.cycles,
+            "seconds": self.seconds, "fraction_of_roofline": self.fraction_of_roofline, "valid": self.valid}
+
+  def __str__(self) -> str:
+    s = f"{self.seconds * 1e6:,.1f} us ({self.label})"
+    f = self.fraction_of_roofline
+    if f is not None:
+      s += f", {100 * f:.1f}% of roofline"
+      if not self.valid:
+        s += " -- INVALID: faster than the roofline; the cost model missed data-dependent control flow"
+    return s
+
+
+_HLO_OP = re.compile(r'hlo_op_estimate\s*\{[^}]*?hlo_op_name:\s*"([^"]*)"[^}]*?estimated_cycles:\s*(\d+)', re.S)
+_cache: dict[str, dict[str, int]] = {}
+
+
+def _read_profile(folder: str) -> dict[str, int]:
+  ops: dict[str, int] = {}
+  for path in sorted(glob.glob(os.path.join(folder, "*.textproto"))):
+    with open(path, encoding="utf-8", errors="replace") as fh:
+      for name, cycles in _HLO_OP.findall(fh.read()):
+        ops[name] = ops.get(name, 0) + int(cycles)
+  return ops
+
+
+def estimator_available() -> bool:
+  """True if this process can produce compiler estimates (libtpu installed, flag set before it loaded)."""
+  return _env.STATIC_PROFILE_DIR is not None and available()
+
+
+def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | None = None,
+                 bytes_accessed: float | None = None, dtype="bfloat16", **kwargs) -> Estimate:
+  """The TPU compiler's static estimate of ``fn(*args, **kwargs)`` on ``generation``.
+
+  With ``flops`` and ``bytes_accessed`` the result carries the roofline, the fraction
+  of it reached, and ``valid=False`` if the estimate is impossibly fast. The cost of
+  estimating grows with the number of grid steps: keep grids in the low thousands.
+  """
+  folder = _env.STATIC_PROFILE_DIR
+  if folder is None:
+    raise EstimatorUnavailableError(
+        "the TPU compiler's static cost model is off in this process: import kernels before JAX "
+        "initialises a TPU backend, and on a TPU host set KERNELS_STATIC_PROFILE=1 first")
+  chip = get_chip(generation)
+  if chip.name not in PROFILED_GENERATIONS:
+    raise EstimatorUnavailableError(
+        f"the TPU compiler's cost model cannot model TPU {chip.name} (libtpu: 'Dma latency model is only "
+        f"supported on' {', '.join(PROFILED_GENERATIONS)}); compile_for_tpu still compiles for it")
+  with _lock:
+    for path in glob.glob(os.path.join(folder, "*")):
+      os.remove(path)
+    comp = compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
+    ops = _read_profile(folder)
+  key = hashlib.sha256((chip.name + comp.hlo).encode()).hexdigest()
+  if ops:
+    _cache[key] = ops
+  elif key in _cache:  # JAX reused an executable, so nothing was re-simulated
+    ops = _cache[key]
+  else:
+    raise EstimatorUnavailableError(
+        f"libtpu wrote no static profile to {folder}: it was probably loaded before kernels set "
+        "LIBTPU_INIT_ARGS (import kernels first, in a fresh process)")
+  rl = roofline(flops, bytes_accessed, chip, dtype) if flops is not None and bytes_accessed is not None else None
+  return Estimate(chip.name, sum(ops.values()), ops, chip.clock_hz, rl, comp.compile_seconds, comp.vmem_bytes)
+
+
+def estimates_table(rows: list[tuple[str, Estimate]]) -> list[dict]:
+  """Flattens labelled estimates into table rows (every row says it is a compiler estimate)."""
+  out = []
+  for name, e in rows:
+    d = {"config": name, "TPU": e.generation, "kind": "compiler estimate", "time (us)": e.seconds * 1e6}
+    if e.fraction_of_roofline is not None:
+      d["% of roofline"] = 100 * e.fraction_of_roofline
+      d["valid"] = e.valid
+    out.append(d)
+  return out
+
