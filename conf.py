@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 from docutils import nodes
+from sphinx import addnodes
 from sphinx.transforms import SphinxTransform
 
 ROOT = Path(__file__).resolve().parent
@@ -209,8 +210,18 @@ class UntranslatableDocstrings(SphinxTransform):
 
     def apply(self, **kwargs):
         for node in self.document.findall(nodes.TextElement):
-            if "docstring of " in (node.source or ""):
+            if "docstring of " in (node.source or "") or _inside_object_description(node):
                 node["translatable"] = False
+
+
+def _inside_object_description(node) -> bool:
+    """True for text autodoc generates for an object (signature, docstring, fields)."""
+    parent = node.parent
+    while parent is not None:
+        if isinstance(parent, addnodes.desc):
+            return True
+        parent = parent.parent
+    return False
 
 
 def setup(app):

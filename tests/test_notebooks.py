@@ -1,0 +1,171 @@
+"""Notebooks are tests: every ``notebooks/*.md`` must run top to bottom on a CPU.
+
+Each notebook is executed with nbclient in a ``python3`` kernel (the Python running
+pytest), in ``notebooks/``, with a 600 s timeout per cell. A failure names the
+notebook, the cell, the start of its source and the error.
+
+An executed notebook is stored in the jupyter-cache that myst-nb uses for the site
+(``_build/.jupyter_cache``, see ``conf.py``), under the key myst-nb computes: the
+notebook is read exactly as myst-nb reads it, and jupyter-cache hashes its code
+cells and kernelspec. So ``make docs`` after ``make test`` does not execute the
+notebooks again, and a notebook whose code has not changed since its last
+successful run (here or in ``make docs``) is not executed again either. The key
+does not cover the ``kernels`` package itself: ``NOTEBOOKS_REEXECUTE=1`` runs every
+notebook regardless (and refreshes the cache); CI starts from an empty cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+CELL_TIMEOUT = 600
+KERNEL_NAME = "python3"
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _load_conf():
+    spec = importlib.util.spec_from_file_location("_site_conf", ROOT / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    return conf
+
+
+CONF = _load_conf()
+CACHE_PATH = Path(CONF.nb_execution_cache_path)
+
+
+def _is_text_notebook(path: Path) -> bool:
+    from myst_nb.core.read import is_myst_markdown_notebook
+
+    return is_myst_markdown_notebook(path.read_text(encoding="utf-8"))
+
+
+NOTEBOOKS = sorted(p for p in NOTEBOOK_DIR.glob("*.md") if _is_text_notebook(p))
+
+
+def read_notebook(path: Path):
+    """The notebook myst-nb builds from ``path`` (same reader, same MyST configuration)."""
+    from myst_nb.core.read import read_myst_markdown_notebook
+    from myst_parser.config.main import MdParserConfig
+
+    md_config = MdParserConfig(
+        enable_extensions=set(CONF.myst_enable_extensions),
+        heading_anchors=getattr(CONF, "myst_heading_anchors", 0),
+    )
+    return read_myst_markdown_notebook(
+        path.read_text(encoding="utf-8"), config=md_config, add_source_map=True, path=str(path)
+    )
+
+
+def _kernel_python() -> str:
+    """The Python executable the ``python3`` kernel will run; installs the spec if missing."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    except NoSuchKernel:
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", KERNEL_NAME],
+                       check=True, capture_output=True)
+        spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    exe = spec.argv[0]
+    # jupyter_client runs these names with sys.executable (KernelManager.format_kernel_cmd).
+    if exe in {"python", f"python{sys.version_info[0]}", "python%i.%i" % sys.version_info[:2]}:
+        return sys.executable
+    return exe
+
+
+def _cell_excerpt(source: str, lines: int = 6) -> str:
+    head = source.splitlines()[:lines]
+    more = "\n    ..." if len(source.splitlines()) > lines else ""
+    return "\n".join(f"    {line}" for line in head) + more
+
+
+def _describe_failure(path: Path, notebook, index: int | None, err: Exception) -> str:
+    """Notebook, cell index, start of the cell's source, and the error with its traceback."""
+    from nbclient.exceptions import CellExecutionError
+
+    if index is None:
+        where = "before the first cell"
+        cell = None
+    else:
+        cell = notebook.cells[index]
+        ordinal = sum(c.cell_type == "code" for c in notebook.cells[: index + 1])
+        where = f"cell {index} (code cell #{ordinal}), which starts:\n{_cell_excerpt(cell.source)}"
+    if isinstance(err, CellExecutionError):
+        tracebacks = [
+            "\n".join(out.get("traceback", []))
+            for out in (cell.get("outputs", []) if cell is not None else [])
+            if out.get("output_type") == "error"
+        ]
+        detail = _ANSI.sub("", tracebacks[-1] if tracebacks else err.traceback)
+        error = f"{err.ename}: {err.evalue}\n\n{detail}"
+    else:
+        error = f"timed out after {CELL_TIMEOUT} s: {err}"
+    return f"{path.relative_to(ROOT)} failed in {where}\n\n{error}"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook(path: Path, monkeypatch):
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    notebook = read_notebook(path)
+    cache = get_cache(str(CACHE_PATH))
+    try:
+        record = cache.match_cache_notebook(notebook)
+    except KeyError:
+        record = None
+    if record is not None and os.environ.get("NOTEBOOKS_REEXECUTE") != "1":
+        # The same code already ran successfully (here or in `make docs`).  The cache key
+        # does not cover the `kernels` package: set NOTEBOOKS_REEXECUTE=1 to run anyway.
+        print(f"{path.name}: executed notebook found in {CACHE_PATH} (ID={record.pk}), not re-executed")
+        return
+
+    kernel_python = _kernel_python()
+    assert os.path.realpath(kernel_python) == os.path.realpath(sys.executable), (
+        f"the {KERNEL_NAME!r} kernel runs {kernel_python}, not this environment's {sys.executable}; "
+        f"run `{sys.executable} -m ipykernel install --sys-prefix`")
+
+    # libtpu takes a process lockfile: the kernel and this process may both load it.
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    current = {"index": None}
+    client = NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT,
+        kernel_name=KERNEL_NAME,
+        allow_errors=False,
+        record_timing=False,  # as myst-nb: timings would change the cached cell metadata
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+        on_cell_execute=lambda cell, cell_index: current.update(index=cell_index),
+    )
+    start = time.perf_counter()
+    failure = None
+    try:
+        client.execute()
+    except (CellExecutionError, CellTimeoutError) as err:
+        failure = _describe_failure(path, notebook, current["index"], err)
+    if failure is not None:  # outside the except block: no chained exception in the report
+        pytest.fail(failure, pytrace=False)
+    seconds = time.perf_counter() - start
+
+    record = cache.cache_notebook_bundle(
+        CacheBundleIn(notebook, str(path), data={"execution_seconds": seconds}),
+        check_validity=False,
+        overwrite=True,
+    )
+    # The docs build must find it: match a freshly read copy, as myst-nb will.
+    assert cache.match_cache_notebook(read_notebook(path)).pk == record.pk
+    print(f"{path.name}: executed in {seconds:.1f} s, cached as ID={record.pk} in {CACHE_PATH}")
