@@ -102,7 +102,8 @@ class TpuCompilation:
   hlo: str
   """Optimised HLO text of the compiled module."""
   vmem_bytes: int | None
-  """Scoped VMEM the Pallas kernels reserve (largest ``used_scoped_memory_configs``), or None."""
+  """Scoped VMEM reserved by the program's most demanding op, Pallas kernel or XLA fusion
+  (``used_scoped_memory_configs`` in the compiled HLO), or None if no op reports it."""
   memory: dict
   """``memory_analysis()`` of the program in bytes: argument, output, temp, generated code."""
   compile_seconds: float

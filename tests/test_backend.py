@@ -1,0 +1,105 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernels import backend
+from tests import toy
+
+
+@pytest.fixture(autouse=True)
+def _clear():
+  toy.TRACED.clear()
+
+
+def x():
+  return jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+
+
+def expected():
+  return np.asarray(x()) * 2 + 1
+
+
+def test_xla_on_request():
+  np.testing.assert_array_equal(toy.scale_add(x(), implementation="xla"), expected())
+  assert toy.TRACED == [("xla", None)]
+
+
+def test_pallas_on_cpu_runs_interpret_mode():
+  out = jax.jit(lambda v: toy.scale_add(v, implementation="pallas"))(x())
+  np.testing.assert_array_equal(out, expected())
+  # both branches of platform_dependent are traced: Mosaic for TPU, interpret for the rest
+  assert ("pallas", True) in toy.TRACED and ("pallas", False) in toy.TRACED
+
+
+def test_default_on_cpu_is_xla_and_matches():
+  out = toy.scale_add(x())
+  np.testing.assert_array_equal(out, expected())
+  hlo = jax.jit(toy.scale_add).lower(x()).as_text()
+  assert "tpu_custom_call" not in hlo  # lowered for CPU: the XLA branch only
+
+
+def test_interpret_true_forces_pallas():
+  toy.scale_add(x(), interpret=True)
+  assert toy.TRACED == [("pallas", True)]
+
+
+def test_fallback_when_pallas_cannot_serve():
+  out = toy.scale_add(x(), pallas_unsupported="block too small")
+  np.testing.assert_array_equal(out, expected())
+  assert toy.TRACED[-1] == ("xla", None)
+
+
+def test_explicit_pallas_does_not_fall_back():
+  with pytest.raises(kernels.NoImplementationError, match="pallas: block too small"):
+    toy.scale_add(x(), implementation="pallas", pallas_unsupported="block too small")
+
+
+def test_no_implementation_names_every_reason():
+  with pytest.raises(kernels.NoImplementationError) as info:
+    toy.scale_add(x(), pallas_unsupported="no int4 on this chip", xla_unsupported="no reference for int4")
+  msg = str(info.value)
+  assert "no int4 on this chip" in msg and "no reference for int4" in msg and "scale_add" in msg
+  assert isinstance(info.value, NotImplementedError) and isinstance(info.value, ValueError)
+  assert info.value.reasons == {"pallas": "no int4 on this chip", "xla": "no reference for int4"}
+
+
+def test_xla_refusing_falls_back_to_pallas():
+  out = toy.scale_add(x(), xla_unsupported="no reference")
+  np.testing.assert_array_equal(out, expected())
+
+
+@pytest.mark.parametrize("bad", ["mosaic", "triton", 1])
+def test_bad_implementation_is_a_kernel_error(bad):
+  with pytest.raises(kernels.KernelError, match="implementation"):
+    toy.scale_add(x(), implementation=bad)
+
+
+def test_interpret_with_xla_is_rejected():
+  with pytest.raises(kernels.KernelError, match="interpret"):
+    toy.scale_add(x(), implementation="xla", interpret=True)
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas", "xla"])
+def test_composes_with_grad_and_vmap(implementation):
+  f = lambda v: toy.scale_add(v, implementation=implementation).sum()
+  np.testing.assert_array_equal(jax.grad(f)(x()), np.full((16, 128), 2.0))
+  batched = jax.vmap(lambda v: toy.scale_add(v, implementation=implementation))(jnp.stack([x(), x()]))
+  np.testing.assert_array_equal(batched, np.stack([expected()] * 2))
+
+
+def test_target_chip_context():
+  assert backend.target_chip() is None  # CPU host
+  with backend.target("v6e"):
+    assert backend.target_chip().name == "v6e"
+  assert backend.target_chip() is None
+
+
+@pytest.mark.tpu_aot
+def test_lowering_for_tpu_gets_the_mosaic_kernel():
+  comp = kernels.compile_for_tpu(toy.scale_add, jax.ShapeDtypeStruct((16, 128), jnp.float32), generation="v5e")
+  assert "tpu_custom_call" in comp.hlo
+  comp = kernels.compile_for_tpu(lambda v: toy.scale_add(v, implementation="xla"),
+                                 jax.ShapeDtypeStruct((16, 128), jnp.float32), generation="v5e")
+  assert "tpu_custom_call" not in comp.hlo

@@ -1,0 +1,106 @@
+"""AOT compilation for TPU and the compiler's cost model (needs jax[tpu]; CI installs it)."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels
+from kernels import tpu
+from tests import toy
+
+pytestmark = pytest.mark.tpu_aot
+
+bf16 = jnp.bfloat16
+
+
+def sds(*shape, dtype=bf16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_compiles_for_every_generation(generation):
+  comp = kernels.compile_for_tpu(toy.matmul, sds(1024, 1024), sds(1024, 1024), generation=generation,
+                                 bm=256, bk=512, bn=512)
+  assert comp.generation == generation
+  assert "tpu_custom_call" in comp.hlo
+  # blocks: 2 x (256x512 + 512x512 + 256x512) bf16 + 256x512 f32 scratch = 2.5 MiB
+  assert 1 * 2**20 < comp.vmem_bytes <= 4 * 2**20
+  assert comp.memory["argument"] == 2 * 1024 * 1024 * 2
+
+
+def test_bad_tiling_is_a_kernel_error():
+  with pytest.raises(kernels.CompileError) as info:
+    kernels.compile_for_tpu(toy.matmul, sds(1024, 1024), sds(1024, 1024), bm=100)
+  assert isinstance(info.value, kernels.KernelError) and info.value.kind == "tiling"
+  assert "divisible by 8 and 128" in str(info.value) and "TPU v5e" in str(info.value)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v4"])
+def test_vmem_overflow_is_a_kernel_error(generation):
+  # 2 x (2048x2048 + 2048x2048 + 2048x2048) f32 blocks + scratch: 112 MiB, over the 16 MiB default.
+  with pytest.raises(kernels.CompileError) as info:
+    kernels.compile_for_tpu(toy.matmul, sds(2048, 2048, dtype=jnp.float32), sds(2048, 2048, dtype=jnp.float32),
+                            bm=2048, bk=2048, bn=2048, generation=generation)
+  assert info.value.kind == "vmem" and "VMEM" in str(info.value)
+
+
+def test_mosaic_failure_is_readable():
+  def bad(x):  # int8 multiply is not supported by Mosaic's vector unit
+    from jax.experimental import pallas as pl
+
+    def k(x_ref, o_ref):
+      o_ref[...] = x_ref[...] * x_ref[...]
+    return pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+  with pytest.raises(kernels.CompileError) as info:
+    kernels.compile_for_tpu(bad, sds(32, 128, dtype=jnp.int8))
+  assert info.value.kind == "mosaic" and "i8" in str(info.value)
+
+
+def test_validation_errors_pass_through_unchanged():
+  with pytest.raises(kernels.KernelError, match="implementation"):
+    kernels.compile_for_tpu(lambda x: toy.scale_add(x, implementation="cuda"), sds(16, 128))
+
+
+def test_estimate_is_positive_labelled_and_below_roofline():
+  flops, nbytes = kernels.matmul_cost(1024, 1024, 1024)
+  e = kernels.estimate_tpu(toy.matmul, sds(1024, 1024), sds(1024, 1024), generation="v5e",
+                           bm=512, bk=1024, bn=1024, flops=flops, bytes_accessed=nbytes)
+  assert e.cycles > 0 and e.seconds == pytest.approx(e.cycles / 1.5e9)
+  assert e.label == "compiler estimate, TPU v5e" and "compiler estimate" in str(e)
+  assert e.valid and 0 < e.fraction_of_roofline <= 1
+  assert any("matmul" in name or "pallas" in name for name in e.ops)
+
+
+def test_estimate_orders_block_sizes():
+  # 4096^3: 128x128 output tiles re-read A and B 4x more than 512x512 tiles; the estimate must see it.
+  n = 4096
+  flops, nbytes = kernels.matmul_cost(n, n, n)
+  small = kernels.estimate_tpu(toy.matmul, sds(n, n), sds(n, n), bm=128, bk=512, bn=128,
+                               flops=flops, bytes_accessed=nbytes)
+  large = kernels.estimate_tpu(toy.matmul, sds(n, n), sds(n, n), bm=512, bk=1024, bn=512,
+                               flops=flops, bytes_accessed=nbytes)
+  assert large.seconds < small.seconds
+  assert large.valid and small.valid
+  assert large.fraction_of_roofline > 0.8
+
+
+def test_estimate_of_same_program_twice_is_stable():
+  args = (sds(512, 512), sds(512, 512))
+  a = kernels.estimate_tpu(toy.matmul, *args, bm=256, bk=256, bn=256)
+  b = kernels.estimate_tpu(toy.matmul, *args, bm=256, bk=256, bn=256)
+  assert a.cycles == b.cycles
+
+
+def test_estimate_flags_impossible_results():
+  e = kernels.estimate_tpu(lambda a, b: a @ b, sds(256, 256), sds(256, 256), flops=1e15, bytes_accessed=1.0)
+  assert not e.valid and "INVALID" in str(e)
+
+
+def test_v4_cannot_be_estimated_but_compiles():
+  with pytest.raises(kernels.EstimatorUnavailableError, match="v4"):
+    kernels.estimate_tpu(toy.matmul, sds(512, 512), sds(512, 512), generation="v4", bm=256, bk=256, bn=256)
+
+
+def test_xla_memory_analysis():
+  comp = kernels.compile_for_tpu(lambda a, b: jax.nn.softmax(a @ b.T, axis=-1), sds(2048, 128), sds(2048, 128))
+  assert comp.memory["output"] == 2048 * 2048 * 2
+  assert tpu.estimator_available()
