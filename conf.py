@@ -9,6 +9,7 @@ The Sphinx source directory is the repository root. Build one language with::
 
 from __future__ import annotations
 
+import html
 import os
 import sys
 import tomllib
@@ -198,6 +199,27 @@ def _add_notebook_launch_links(app, pagename, templatename, context, doctree):
         context["body"] = badges + body
 
 
+#: myst-nb's labels for hidden cells (``hide-input`` and similar tags).  myst-nb has
+#: no translations; docs/_templates/translatable-strings.html lists them so that
+#: ``make gettext`` extracts them into sphinx.po, and this handler applies them.
+NB_PROMPTS = [
+    f"{verb} code cell {kind}"
+    for verb in ("Show", "Hide")
+    for kind in ("content", "source", "output", "outputs")
+]
+
+
+def _translate_notebook_prompts(app, pagename, templatename, context, doctree):
+    if not _is_notebook_page(app, pagename) or "body" not in context:
+        return
+    body = context["body"]
+    for text in NB_PROMPTS:
+        translated = app.translator.gettext(text)
+        if translated != text:
+            body = body.replace(f'admonition-title">{text}</p>', f'admonition-title">{html.escape(translated)}</p>')
+    context["body"] = body
+
+
 class UntranslatableDocstrings(SphinxTransform):
     """Keep API docstrings out of the message catalogs.
 
@@ -227,5 +249,6 @@ def _inside_object_description(node) -> bool:
 def setup(app):
     app.connect("html-page-context", _add_language_links)
     app.connect("html-page-context", _add_notebook_launch_links, priority=600)
+    app.connect("html-page-context", _translate_notebook_prompts)
     app.add_transform(UntranslatableDocstrings)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

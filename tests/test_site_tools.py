@@ -211,6 +211,16 @@ def test_check_finds_broken_markup(catalogs):
     assert "lost `make docs`" in problems[0] and "<docs/guide>" in problems[0]
 
 
+def test_check_finds_translations_that_would_parse_as_a_list(tmp_path):
+    pot_dir, locale_dir = tmp_path / "pot", tmp_path / "locale"
+    _write(pot_dir / "page.pot", 'msgid "1. Measured"\nmsgstr ""\n\nmsgid "Two"\nmsgstr ""\n')
+    _po(locale_dir, 'msgid "1. Measured"\nmsgstr "1. Medido"\n\nmsgid "Two"\nmsgstr "Dos"\n', name="page")
+    problems = i18n_tool.catalog_problems(pot_dir, locale_dir)
+    assert len(problems) == 1 and "starts like a Markdown list" in problems[0]
+    _po(locale_dir, 'msgid "1. Measured"\nmsgstr "1\\\\. Medido"\n\nmsgid "Two"\nmsgstr "Dos"\n', name="page")
+    assert i18n_tool.catalog_problems(pot_dir, locale_dir) == []
+
+
 def test_protected_markup():
     found = i18n_tool.protected_markup(
         "Use `x`, {py:func}`kernels.tpu.estimate_tpu`, {doc}`a page <docs/api>`, "

@@ -16,6 +16,8 @@ English text changed comes back *fuzzy*, with the old translation, for review.
 longer have or lacks one they have (stale), has an untranslated, fuzzy or obsolete
 entry, or if a translation dropped or altered MyST markup that must survive
 translation verbatim: inline code, role names and targets, link URLs and math.
+It also rejects a translation that Markdown would read as a list, heading or
+quote (``1. Foo``): Sphinx would silently keep the English text.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ _ROLE = re.compile(r"\{(?P<name>[\w:.+-]+)\}(?P<ticks>`+)(?P<body>.+?)(?P=ticks)
 _CODE = re.compile(r"(?P<ticks>`+)(?P<body>.+?)(?P=ticks)", re.S)
 _LINK_URL = re.compile(r"\]\((?P<url>[^)\s]+)\)")
 _MATH = re.compile(r"(?<![\\$])\$(?!\s)(?P<body>[^$\n]+?)(?<!\s)\$(?!\d)")
+_BLOCK_START = re.compile(r"\s{0,3}(\d{1,9}[.)]|[-*+]|#{1,6}|>)(\s|$)")
 _EXPLICIT_TARGET = re.compile(r"<(?P<target>[^<>]+)>\s*$")
 
 
@@ -177,6 +180,11 @@ def catalog_problems(pot_dir: Path, locale_dir: Path = LOCALE_DIR, languages=LAN
                     problems.append(f"{shown}: fuzzy: {_short(message.id)}")
                 elif not all(strings):
                     problems.append(f"{shown}: untranslated: {_short(message.id)}")
+                elif isinstance(message.id, str) and _BLOCK_START.match(strings[0]):
+                    # Sphinx parses each msgstr on its own: "1. Foo" becomes a list, the
+                    # node type no longer matches and the English text is kept silently.
+                    problems.append(f"{shown}: translation starts like a Markdown list, heading or quote; "
+                                    f"escape it (e.g. `1\\.`): {_short(message.id)}")
                 elif isinstance(message.id, str):
                     lost = protected_markup(message.id) - protected_markup(strings[0])
                     added = protected_markup(strings[0]) - protected_markup(message.id)
