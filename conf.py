@@ -120,6 +120,8 @@ html_theme_options = {
         "notebook_interface": "jupyterlab",
     },
     "home_page_in_toc": True,
+    # The sidebar has a search field; no second one in a top bar.
+    "navbar_persistent": [],
     # Language switcher first, then the theme's own buttons.
     "article_header_end": ["language-switcher.html", "article-header-buttons.html"],
 }
