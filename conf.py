@@ -37,6 +37,8 @@ copyright = "pallas-kernels maintainers"
 release = _pyproject["version"]
 version = release
 REPOSITORY_URL = _pyproject["urls"]["Source"].rstrip("/")
+#: Where the site is published; each language lives under ``<DOCS_URL><lang>/``.
+DOCS_URL = _pyproject["urls"]["Documentation"].rstrip("/") + "/"
 REPOSITORY_BRANCH = "main"
 
 # -- General -----------------------------------------------------------------
@@ -125,7 +127,6 @@ html_theme_options = {
     # Language switcher first, then the theme's own buttons.
     "article_header_end": ["language-switcher.html", "article-header-buttons.html"],
 }
-html_context = {"languages": LANGUAGES}
 
 KAGGLE_URL = "https://kaggle.com/kernels/welcome?src="
 COLAB_URL = html_theme_options["launch_buttons"]["colab_url"]
@@ -154,10 +155,17 @@ def _add_language_links(app, pagename, templatename, context, doctree):
             "code": code,
             "name": name,
             "url": f"{up}{code}/{target}",
+            "absolute_url": f"{DOCS_URL}{code}/{target}",
             "current": code == current,
         }
         for code, name in LANGUAGES.items()
     ]
+
+
+def _set_base_url(app, config):
+    """Canonical URLs (``<link rel="canonical">``) point into this language's tree."""
+    if not config.html_baseurl:
+        config.html_baseurl = f"{DOCS_URL}{config.language or 'en'}/"
 
 
 def _add_notebook_launch_links(app, pagename, templatename, context, doctree):
@@ -249,6 +257,7 @@ def _inside_object_description(node) -> bool:
 
 
 def setup(app):
+    app.connect("config-inited", _set_base_url)
     app.connect("html-page-context", _add_language_links)
     app.connect("html-page-context", _add_notebook_launch_links, priority=600)
     app.connect("html-page-context", _translate_notebook_prompts)
