@@ -11,6 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The tools drive Sphinx, myst-nb, jupytext and sphinx-intl (the `docs` extra).
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("myst_nb", "jupytext", "sphinx_intl", "babel")),
+    reason="needs the `docs` extra",
+)
+
 
 def _load(name: str, path: Path):
     # tools/ is not a package, and "site" would clash with the standard library module.
