@@ -105,7 +105,8 @@ from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, TilingError, check
 from kernels.hardware import get_chip
 
-__all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "matmul", "matmul_reference",
+__all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul",
+           "matmul_reference",
            "quantized_matmul", "quantized_matmul_reference"]
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -150,19 +151,39 @@ def _block_table() -> dict:
     return {}
 
 
-def default_block_sizes(generation: str | None = None, dtype=jnp.bfloat16, m: int | None = None,
-                        n: int | None = None) -> BlockSizes:
-  """The shipped default blocks for ``generation`` (None: v5e) and input ``dtype``.
+def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: int = 4096,
+                        n: int = 4096) -> BlockSizes:
+  """The shipped default blocks for a problem ``[m, k] @ [k, n]`` on ``generation`` (None: v5e).
 
-  The table (``kernels/data/matmul_blocks.json``) holds, per generation and dtype,
-  a ``"large"`` entry (square-ish problems) and optionally ``"skinny"`` (``min(M, N)``
-  at most 256, e.g. decode), each picked by ``tools/tune_matmul.py``.
+  ``kernels/data/matmul_blocks.json`` lists, per generation and input dtype, the
+  problems ``tools/tune_matmul.py`` tuned with the compiler's cost model and the
+  blocks it chose. A call uses the blocks of the tuned problem nearest to it (in
+  ``log2`` distance over M, K and N), so square shapes and decode-like shapes each
+  get blocks tuned for their kind.
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
-  per_dtype = _block_table().get(gen, {}).get(jnp.dtype(dtype).name, {})
-  size_class = "skinny" if m is not None and n is not None and min(m, n) <= 256 else "large"
-  entry = per_dtype.get(size_class) or per_dtype.get("large")
-  return BlockSizes(**entry) if entry else _FALLBACK
+  per_gen = _block_table().get(gen, {})
+  entries = per_gen.get(jnp.dtype(dtype).name) or per_gen.get("bfloat16") or []
+  if not entries:
+    return _FALLBACK
+
+  def distance(e):
+    return sum(abs(math.log2(max(x, 1) / e[name])) for x, name in ((m, "m"), (k, "k"), (n, "n")))
+  best = min(entries, key=distance)
+  return BlockSizes(best["bm"], best["bk"], best["bn"])
+
+
+def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat16,
+                    transpose_a: bool = False) -> BlockSizes:
+  """The blocks the kernel really uses for ``[m, k] @ [k, n]``: a block larger than its
+  dimension becomes the whole dimension, except that a few rows of untransposed A are
+  rounded up to whole packed sublane tiles (16 bf16 rows, 32 int8 rows): a block
+  hanging over the edge of the array is what Mosaic's MXU path expects for decode shapes."""
+  bm, bk, bn = (min(blocks.bm, m), min(blocks.bk, k), min(blocks.bn, n))
+  sub = tiling.sublane_multiple(dtype)
+  if bm == m and m % sub and not transpose_a:
+    bm = min(blocks.bm, tiling.round_up(m, sub))
+  return BlockSizes(bm, bk, bn)
 
 
 # ---------------------------------------------------------------------------------
@@ -398,23 +419,14 @@ class _Plan:
   save_z: bool
 
 
-def _fit(requested: int, dim: int) -> int:
-  """A block no larger than the dimension: a bigger request becomes the whole dimension."""
-  return dim if requested >= dim else requested
-
-
-def _plan(p: _Problem, blocks: BlockSizes | None, *, save_z: bool, user_blocks: bool) -> _Plan:
+def _plan(p: _Problem, blocks: BlockSizes | None, *, save_z: bool) -> _Plan:
   chip = target_chip()
   if blocks is None:
-    blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.m, p.n)
+    blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.m, p.k, p.n)
   for name in ("bm", "bk", "bn"):
     v = getattr(blocks, name)
     check(isinstance(v, (int, np.integer)) and v > 0, "block_sizes", blocks, f"{name} must be a positive int")
-  bm, bk, bn = _fit(blocks.bm, p.m), _fit(blocks.bk, p.k), _fit(blocks.bn, p.n)
-  if bm == p.m and not p.transpose_a and p.m % tiling.sublane_multiple(p.dtype):
-    # A few rows (decode): a block of whole packed sublane tiles (16 bf16 rows, 32 int8 rows),
-    # hanging over the array's edge, is what the MXU path expects.
-    bm = min(blocks.bm, tiling.round_up(p.m, tiling.sublane_multiple(p.dtype)))
+  bm, bk, bn = dataclasses.astuple(fit_block_sizes(blocks, p.m, p.k, p.n, p.dtype, p.transpose_a))
   # Mosaic's tiling rule on each operand's 2-D block, in its own (rows, cols) layout.
   a_block, a_shape = ((bk, bm), (p.k, p.m)) if p.transpose_a else ((bm, bk), (p.m, p.k))
   b_block, b_shape = ((bn, bk), (p.n, p.k)) if p.transpose_b else ((bk, bn), (p.k, p.n))
@@ -454,6 +466,14 @@ def _flat_batch_index(g, full: tuple[int, ...], own: tuple[int, ...]):
   return index
 
 
+def _zero_tail(x, axis: int, valid: int):
+  """Zeroes ``x`` from index ``valid`` on along ``axis``. The select runs on 32-bit values:
+  a select on packed bf16/int8 vregs feeds the MXU a type libtpu's checker rejects."""
+  wide = jnp.int32 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32
+  keep = lax.broadcasted_iota(jnp.int32, x.shape, axis) < valid
+  return jnp.where(keep, x.astype(wide), 0).astype(x.dtype)
+
+
 def _kernel(*refs, p: _Problem, plan: _Plan):
   it = iter(refs)
   seed_ref = next(it) if p.dropout_rate else None
@@ -476,8 +496,8 @@ def _kernel(*refs, p: _Problem, plan: _Plan):
       valid = p.k - (nk - 1) * plan.bk
       ka = 0 if p.transpose_a else 1
       kb = 1 if p.transpose_b else 0
-      x = jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, ka) < valid, x, jnp.zeros_like(x))
-      y = jnp.where(lax.broadcasted_iota(jnp.int32, y.shape, kb) < valid, y, jnp.zeros_like(y))
+      x = _zero_tail(x, ka, valid)
+      y = _zero_tail(y, kb, valid)
     return lax.dot_general(x, y, dims, precision=p.precision, preferred_element_type=acc_dtype)
 
   def finish(acc):
@@ -600,7 +620,7 @@ def _plain(x, y, *, x_batch, y_batch, batch, tx, ty, dtype, out_dtype, precision
     out = _plain(x.reshape(1, -1, k), y, x_batch=(), y_batch=(), batch=(), tx=False, ty=ty, dtype=dtype,
                  out_dtype=out_dtype, precision=precision, interpret=interpret)
     return out.reshape(math.prod(batch), rows, n)
-  plan = _plan(q, None, save_z=False, user_blocks=False)
+  plan = _plan(q, None, save_z=False)
   return _pallas_matmul(x, y, None, None, None, None, p=q, plan=plan, interpret=interpret)[0]
 
 
@@ -620,7 +640,7 @@ def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, in
   nb = math.prod(p.batch)
 
   def forward(a3, b3, bias, seed, save_z):
-    plan = _plan(p, blocks, save_z=save_z, user_blocks=blocks is not None)
+    plan = _plan(p, blocks, save_z=save_z)
     return _pallas_matmul(a3, b3, bias, seed, None, None, p=p, plan=plan, interpret=interpret)
 
   @jax.custom_vjp

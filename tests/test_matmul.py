@@ -1,0 +1,459 @@
+"""kernels.matmul: the Pallas GEMM against its pure-JAX reference and a float64 NumPy oracle.
+
+Everything but the ``tpu_aot`` tests runs the kernel in interpret mode on the CPU,
+on small shapes with small blocks, so grids have several steps in every dimension.
+
+Tolerances (|out - expected| <= ATOL + RTOL * |expected|, inputs ~ N(0, 1) scaled
+so outputs are O(1)):
+
+* float32 in and out: f32 accumulation in a different order than the oracle's
+  float64 sum: 2e-5 absolute and relative (observed ~1e-6).
+* bfloat16 out: one rounding of the f32 result to bf16 (8 significant bits, half
+  an ulp = 2^-9 relative); kernel and reference may round an f32 value that sits
+  on a boundary differently, so one ulp: 2^-7 relative, 2e-2 absolute near zero.
+* int8 (quantized): products and sums are exact in int32; the f32 epilogue is the
+  same code in kernel and reference, so they agree to f32 rounding (1e-6).
+* gradients: computed by the same kernel in f32: 1e-4 relative to the largest entry.
+"""
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+from scipy import special
+
+import kernels
+from kernels import matmul as mm
+from kernels.matmul import BlockSizes, matmul, matmul_reference
+
+TOL = {
+    "float32": dict(atol=2e-5, rtol=2e-5),
+    "bfloat16": dict(atol=2e-2, rtol=2 ** -7),
+}
+GRAD_RTOL = 1e-4
+SMALL = BlockSizes(32, 128, 128)  # several grid steps on every axis for the shapes below
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu"]
+
+
+def rand(shape, dtype=jnp.float32, seed=0, scale=None):
+  """N(0, 1) / sqrt(last dim) in ``dtype``, so products of two of them are O(1)."""
+  x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+  return jnp.asarray(x / math.sqrt(scale or shape[-1]), dtype)
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+# --- an independent float64 / NumPy oracle -----------------------------------------
+
+
+def np_keep_mask(seed, rows, cols, rate):
+  """The dropout hash, re-implemented in NumPy uint32 arithmetic (wrapping)."""
+  def fmix(h):
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+  with np.errstate(over="ignore"):
+    seed = np.asarray(seed).astype(np.int32).view(np.uint32)
+    h = fmix(rows.astype(np.uint32) * np.uint32(0x9E3779B1) + seed)
+    h = fmix(h ^ (cols.astype(np.uint32) * np.uint32(0x85EBCA77)))
+  return (h >> np.uint32(8)) >= np.uint32(round(rate * (1 << 24)))
+
+
+def np_act(z, activation):
+  if activation is None:
+    return z
+  if activation == "relu":
+    return np.maximum(z, 0)
+  if activation == "gelu":
+    return 0.5 * z * (1 + special.erf(z / np.sqrt(2)))
+  if activation == "gelu_tanh":
+    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+  if activation == "silu":
+    return z / (1 + np.exp(-z))
+  raise ValueError(activation)
+
+
+def oracle(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=None, dropout_rate=0.0,
+           dropout_key=None, a_scale=None, b_scale=None):
+  a, b = f64(a), f64(b)
+  if transpose_a:
+    a = np.swapaxes(a, -1, -2)
+  if transpose_b:
+    b = np.swapaxes(b, -1, -2)
+  z = np.matmul(a, b)
+  if a_scale is not None:
+    z = z * f64(a_scale).reshape(f64(a_scale).shape[:-1] + (-1, 1)) if f64(a_scale).ndim else z * f64(a_scale)
+    z = z * f64(b_scale).reshape(-1)[None, :] if f64(b_scale).ndim else z * f64(b_scale)
+  if bias is not None:
+    z = z + f64(bias)
+  y = np_act(z, activation)
+  if dropout_rate:
+    seed = np.asarray(mm.dropout_seed(dropout_key))
+    m, n = y.shape[-2:]
+    flat = y.reshape(-1, n)
+    rows, cols = np.meshgrid(np.arange(flat.shape[0]), np.arange(n), indexing="ij")
+    flat = np.where(np_keep_mask(seed, rows, cols, dropout_rate), flat / (1 - dropout_rate), 0.0)
+    y = flat.reshape(y.shape)
+  return y
+
+
+def assert_close(out, expected, dtype):
+  out = f64(out)
+  np.testing.assert_allclose(out, expected, **TOL[jnp.dtype(dtype).name])
+
+
+def run(a, b, interpret=True, **kw):
+  kw.setdefault("block_sizes", SMALL)
+  return matmul(a, b, implementation="pallas", interpret=interpret, **kw)
+
+
+def operands(m, k, n, dtype=jnp.float32, transpose_a=False, transpose_b=False, batch_a=(), batch_b=(), seed=0):
+  a = rand(batch_a + ((k, m) if transpose_a else (m, k)), dtype, seed, scale=k)
+  b = rand(batch_b + ((n, k) if transpose_b else (k, n)), dtype, seed + 1, scale=1)
+  return a, b
+
+
+# --- forward -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transpose_a,transpose_b", list(itertools.product([False, True], repeat=2)))
+def test_transposes_match_oracle_and_reference(dtype, transpose_a, transpose_b):
+  a, b = operands(96, 300, 200, dtype, transpose_a, transpose_b)
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+  blocks = BlockSizes(128 if transpose_a else 32, 128, 128)  # transposed A: M is its lane dim
+  out = run(a, b, block_sizes=blocks, **kw)
+  assert out.shape == (96, 200) and out.dtype == dtype
+  assert_close(out, oracle(a, b, **kw), dtype)
+  assert_close(out, f64(matmul_reference(a, b, **kw)), dtype)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_bias_and_activation(activation):
+  a, b = operands(64, 256, 256)
+  bias = rand((256,), seed=7, scale=1)
+  out = run(a, b, bias=bias, activation=activation)
+  assert_close(out, oracle(a, b, bias=bias, activation=activation), jnp.float32)
+
+
+def test_bf16_epilogue_with_f32_bias_and_out_dtype():
+  a, b = operands(64, 256, 256, jnp.bfloat16)
+  bias = rand((256,), seed=3, scale=1)
+  out = run(a, b, bias=bias, activation="gelu", out_dtype=jnp.float32)
+  assert out.dtype == jnp.float32
+  # bf16 inputs, exact products, f32 accumulation and epilogue: f32-tight against the oracle
+  assert_close(out, oracle(a, b, bias=bias, activation="gelu"), jnp.float32)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_mask_is_exactly_the_reference(rate):
+  a, b = operands(96, 128, 256)
+  key = jax.random.key(42)
+  kw = dict(bias=rand((256,), seed=5, scale=1), activation="relu", dropout_rate=rate, dropout_key=key)
+  out = np.asarray(run(a, b, **kw))
+  ref = np.asarray(matmul_reference(a, b, **kw))
+  pre = np.asarray(matmul_reference(a, b, bias=kw["bias"], activation="relu"))
+  # the same elements are dropped, bit for bit, and the survivors are scaled by 1/(1-rate)
+  np.testing.assert_array_equal(out == 0, ref == 0)
+  assert_close(out, oracle(a, b, **kw), jnp.float32)
+  kept = (out != 0) & (pre != 0)
+  np.testing.assert_allclose(out[kept], pre[kept] / (1 - rate), rtol=2e-5, atol=2e-5)
+  # the NumPy re-implementation of the hash agrees: it is a spec, not an accident
+  rows, cols = np.meshgrid(np.arange(96), np.arange(256), indexing="ij")
+  mask = np_keep_mask(np.asarray(mm.dropout_seed(key)), rows, cols, rate)
+  np.testing.assert_array_equal(np.asarray(mm.dropout_keep_mask(mm.dropout_seed(key), jnp.asarray(rows, jnp.int32),
+                                                                jnp.asarray(cols, jnp.int32), rate)), mask)
+  assert abs((~mask).mean() - rate) < 0.02
+
+
+def test_dropout_differs_by_key_and_batch_element():
+  a, b = operands(32, 128, 128, batch_a=(2,))
+  kw = dict(dropout_rate=0.5)
+  one = np.asarray(run(a, b, dropout_key=jax.random.key(0), **kw))
+  two = np.asarray(run(a, b, dropout_key=jax.random.key(1), **kw))
+  assert (one == 0).mean() == pytest.approx(0.5, abs=0.05)
+  assert ((one == 0) != (two == 0)).mean() > 0.3
+  assert ((one[0] == 0) != (one[1] == 0)).mean() > 0.3  # each batch element its own mask
+
+
+@pytest.mark.parametrize("m,k,n", [(100, 300, 77), (1, 200, 130), (7, 129, 1), (33, 1, 40), (130, 100, 260)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_odd_shapes(m, k, n, dtype):
+  # analogues of 1000x3000x777, M=1, K not a multiple of 128 (masked tail), K < bk, N=1
+  a, b = operands(m, k, n, dtype)
+  out = run(a, b, bias=rand((n,), seed=2, scale=1), activation="silu")
+  assert out.shape == (m, n)
+  assert_close(out, oracle(a, b, bias=rand((n,), seed=2, scale=1), activation="silu"), dtype)
+
+
+def test_k_tail_is_masked_even_when_vmem_holds_nan():
+  # TPU interpret mode that fills never-written VMEM and out-of-bounds reads with NaN:
+  # the stale tail of the last K block must not reach the output.
+  params = pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+  a, b = operands(40, 300, 136)
+  out = run(a, b, interpret=params)
+  assert np.isfinite(np.asarray(out)).all()
+  assert_close(out, oracle(a, b), jnp.float32)
+
+
+def test_no_races_in_the_pipeline():
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+  a, b = operands(64, 256, 256)
+  out = run(a, b, interpret=pltpu.InterpretParams(detect_races=True), bias=rand((256,), seed=1, scale=1),
+            activation="gelu")
+  assert_close(out, oracle(a, b, bias=rand((256,), seed=1, scale=1), activation="gelu"), jnp.float32)
+  assert ipc.races is not None and not ipc.races.races_found
+
+
+@pytest.mark.parametrize("batch_a,batch_b,transpose_a", [
+    ((2, 3), (), False),       # folded into M: one 2-D problem
+    ((2, 3), (3,), False),     # broadcast batch grid axis
+    ((), (2,), False),         # A broadcast along B's batch
+    ((2, 1), (1, 3), True),    # both broadcast, transposed A (no folding possible)
+])
+def test_batch_dims(batch_a, batch_b, transpose_a):
+  a, b = operands(40, 128, 136, transpose_a=transpose_a, batch_a=batch_a, batch_b=batch_b)
+  kw = dict(transpose_a=transpose_a, bias=rand((136,), seed=4, scale=1), activation="relu")
+  out = run(a, b, block_sizes=BlockSizes(128 if transpose_a else 16, 128, 128), **kw)
+  expected = oracle(a, b, **kw)
+  assert out.shape == expected.shape
+  assert_close(out, expected, jnp.float32)
+  assert_close(out, f64(matmul_reference(a, b, **kw)), jnp.float32)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(m=st.integers(1, 160), k=st.integers(1, 300), n=st.integers(1, 300), transpose_a=st.booleans(),
+       transpose_b=st.booleans(), bf16=st.booleans(), bm=st.sampled_from([16, 64, 128]),
+       bk=st.sampled_from([128, 256]), bn=st.sampled_from([128, 256]))
+def test_hypothesis_shapes(m, k, n, transpose_a, transpose_b, bf16, bm, bk, bn):
+  dtype = jnp.bfloat16 if bf16 else jnp.float32
+  a, b = operands(m, k, n, dtype, transpose_a, transpose_b, seed=m + k + n)
+  blocks = BlockSizes(max(bm, 128) if transpose_a else bm, bk, bn)
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+  assert_close(run(a, b, block_sizes=blocks, **kw), oracle(a, b, **kw), dtype)
+
+
+def test_precision_highest_and_default():
+  a, b = operands(32, 256, 128)
+  for precision in (None, "default", "highest", jax.lax.Precision.HIGH):
+    assert_close(run(a, b, precision=precision), oracle(a, b), jnp.float32)
+
+
+def test_default_blocks_run():
+  a, b = operands(64, 384, 256, jnp.bfloat16)
+  assert_close(matmul(a, b, interpret=True), oracle(a, b), jnp.bfloat16)
+
+
+def test_xla_implementation_is_the_reference():
+  a, b = operands(64, 128, 128)
+  kw = dict(bias=rand((128,), seed=1, scale=1), activation="gelu_tanh", dropout_rate=0.2,
+            dropout_key=jax.random.key(3))
+  np.testing.assert_array_equal(matmul(a, b, implementation="xla", **kw), matmul_reference(a, b, **kw))
+  np.testing.assert_array_equal(matmul(a, b, **kw), matmul_reference(a, b, **kw))  # CPU default: XLA
+
+
+# --- composition -----------------------------------------------------------------
+
+
+def test_jit_vmap_grad_compose():
+  a, b = operands(32, 128, 128)
+  f = jax.jit(lambda a, b: run(a, b, activation="relu"))
+  assert_close(f(a, b), oracle(a, b, activation="relu"), jnp.float32)
+  stacked = jnp.stack([a, 2 * a])
+  out = jax.vmap(lambda x: run(x, b))(stacked)
+  assert_close(out, oracle(stacked, b), jnp.float32)
+  g = jax.jit(jax.grad(lambda a: run(a, b, activation="silu").sum()))(a)
+  g_ref = jax.grad(lambda a: matmul_reference(a, b, activation="silu").sum())(a)
+  np.testing.assert_allclose(g, g_ref, rtol=GRAD_RTOL, atol=GRAD_RTOL * float(jnp.abs(g_ref).max()))
+
+
+# --- gradients -------------------------------------------------------------------
+
+
+def _grads(fn, a, b, bias, ct):
+  out, vjp = jax.vjp(fn, a, b, bias)
+  return out, vjp(ct)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b,activation", [
+    (False, False, "gelu"), (True, False, "relu"), (False, True, "silu"), (True, True, "gelu_tanh"),
+    (False, False, None)])
+def test_gradients_match_reference_vjp(transpose_a, transpose_b, activation):
+  a, b = operands(48, 160, 136, transpose_a=transpose_a, transpose_b=transpose_b)
+  bias = rand((136,), seed=9, scale=1)
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, activation=activation, dropout_rate=0.25,
+            dropout_key=jax.random.key(7))
+  blocks = BlockSizes(128 if transpose_a else 16, 128, 128)
+  ct = rand((48, 136), seed=11, scale=1)
+  out, grads = _grads(lambda a, b, c: run(a, b, bias=c, block_sizes=blocks, **kw), a, b, bias, ct)
+  ref_out, ref_grads = _grads(lambda a, b, c: matmul_reference(a, b, bias=c, **kw), a, b, bias, ct)
+  assert_close(out, f64(ref_out), jnp.float32)
+  for name, g, r in zip(("a", "b", "bias"), grads, ref_grads):
+    assert g.shape == r.shape and g.dtype == r.dtype, name
+    np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=GRAD_RTOL * float(jnp.abs(r).max()), err_msg=name)
+
+
+def test_gradients_with_broadcast_batch():
+  a, b = operands(24, 128, 128, transpose_a=True, batch_a=(2, 1), batch_b=(3,))
+  bias = rand((128,), seed=2, scale=1)
+  ct = rand((2, 3, 24, 128), seed=3, scale=1)
+  kw = dict(transpose_a=True, activation="gelu")
+  _, grads = _grads(lambda a, b, c: run(a, b, bias=c, block_sizes=BlockSizes(128, 128, 128), **kw), a, b, bias, ct)
+  _, ref = _grads(lambda a, b, c: matmul_reference(a, b, bias=c, **kw), a, b, bias, ct)
+  for g, r in zip(grads, ref):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=GRAD_RTOL * float(jnp.abs(r).max()))
+
+
+def test_bf16_gradients_have_input_dtypes():
+  a, b = operands(32, 128, 128, jnp.bfloat16)
+  bias = rand((128,), jnp.float32, seed=1, scale=1)
+  ga, gb, gc = jax.grad(lambda a, b, c: run(a, b, bias=c, activation="relu").astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2))(a, b, bias)
+  assert (ga.dtype, gb.dtype, gc.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+  ra, rb, rc = jax.grad(lambda a, b, c: matmul_reference(a, b, bias=c, activation="relu").astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2))(a, b, bias)
+  for g, r in ((ga, ra), (gb, rb), (gc, rc)):
+    np.testing.assert_allclose(f64(g), f64(r), rtol=2e-2, atol=2e-2 * float(jnp.abs(r.astype(jnp.float32)).max()))
+
+
+def test_check_grads_f32():
+  a, b = operands(16, 128, 128)
+  bias = rand((128,), seed=1, scale=1)
+  from jax.test_util import check_grads
+  check_grads(lambda a, b, c: run(a, b, bias=c, activation="gelu_tanh"), (a, b, bias), order=1,
+              modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
+
+
+# --- bad input: a KernelError naming the argument, before lowering -----------------------
+
+
+def _bad(argument, error=kernels.KernelError, **overrides):
+  a, b = operands(64, 128, 128)
+  kw = dict(a=a, b=b, implementation="pallas", interpret=True, block_sizes=SMALL)
+  kw.update(overrides)
+  with pytest.raises(error) as info:
+    matmul(kw.pop("a"), kw.pop("b"), **kw)
+  assert info.value.argument == argument, str(info.value)
+  assert argument in str(info.value)
+  return str(info.value)
+
+
+def test_bad_input_names_the_argument():
+  m = _bad("b", b=rand((127, 128)))
+  assert "inner dimensions" in m and "64x128" in m and "127x128" in m
+  assert "rank" in _bad("a", a=rand((128,)))
+  assert "rank" in _bad("b", b=rand((128,)))
+  assert "int32" in _bad("a", a=jnp.ones((64, 128), jnp.int32), b=jnp.ones((128, 128), jnp.int32))
+  assert "quantized_matmul" in _bad("a", a=jnp.ones((64, 128), jnp.int8), b=jnp.ones((128, 128), jnp.int8))
+  assert "float16" in _bad("a", a=jnp.ones((64, 128), jnp.float16), b=jnp.ones((128, 128), jnp.float16))
+  assert "dtype" in _bad("b", b=rand((128, 128), jnp.bfloat16))
+  assert "broadcast" in _bad("b", a=rand((2, 64, 128)), b=rand((3, 128, 128)))
+  _bad("activation", activation="tanh")
+  _bad("dropout_rate", dropout_rate=1.0, dropout_key=jax.random.key(0))
+  _bad("dropout_rate", dropout_rate=-0.1)
+  _bad("dropout_key", dropout_rate=0.5)
+  _bad("dropout_key", dropout_rate=0.5, dropout_key=3)
+  assert "(128,)" in _bad("bias", bias=rand((64,)))
+  _bad("out_dtype", out_dtype=jnp.int8)
+  _bad("precision", precision="ultra")
+  _bad("implementation", implementation="cuda")
+  _bad("transpose_a", transpose_a=1)
+  _bad("block_sizes", block_sizes=(1, 2))
+  assert "divisible" in _bad("block_sizes", kernels.TilingError, block_sizes=BlockSizes(20, 128, 128))
+  assert "divisible" in _bad("block_sizes", kernels.TilingError, block_sizes=BlockSizes(32, 100, 128))
+
+
+def test_vmem_overflow_is_caught_before_lowering():
+  big = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+  with pytest.raises(kernels.VmemOverflowError) as info:
+    jax.eval_shape(lambda a, b: matmul(a, b, implementation="pallas", interpret=True,
+                                       block_sizes=BlockSizes(4096, 4096, 4096)), big, big)
+  assert info.value.argument == "block_sizes" and "VMEM" in str(info.value)
+
+
+# --- block sizes -----------------------------------------------------------------
+
+
+def test_block_sizes_defaults_and_fitting():
+  for gen in kernels.TPU_GENERATIONS:
+    for shape in [(4096, 4096, 4096), (2048, 2048, 2048), (16, 4096, 4096)]:
+      blocks = mm.default_block_sizes(gen, jnp.bfloat16, *shape)
+      assert isinstance(blocks, BlockSizes) and blocks.bk % 128 == 0 and blocks.bn % 128 == 0
+      assert blocks.bm % 16 == 0
+  assert mm.default_block_sizes(None) == mm.default_block_sizes("v5e")
+  assert mm.fit_block_sizes(BlockSizes(512, 1024, 1024), 1000, 300, 77) == BlockSizes(512, 300, 77)
+  assert mm.fit_block_sizes(BlockSizes(512, 1024, 1024), 1, 4096, 4096) == BlockSizes(16, 1024, 1024)
+  assert mm.fit_block_sizes(BlockSizes(512, 1024, 1024), 8, 4096, 4096, jnp.int8) == BlockSizes(32, 1024, 1024)
+  assert mm.fit_block_sizes(BlockSizes(512, 1024, 1024), 8, 4096, 4096, transpose_a=True) == BlockSizes(8, 1024, 1024)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    BlockSizes().bm = 3
+
+
+# --- ahead-of-time compilation for TPU -----------------------------------------------
+
+sds = jax.ShapeDtypeStruct
+bf16 = jnp.bfloat16
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_compiles_at_defaults(generation):
+  comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b), sds((2048, 2048), bf16), sds((2048, 2048), bf16),
+                                 generation=generation)
+  assert "tpu_custom_call" in comp.hlo and comp.vmem_bytes > 1 << 20
+  # an odd shape: M and K not multiples of the blocks (partial M block, masked K tail), with epilogue.
+  # (Dims whose padding XLA:TPU would avoid by a column-major default layout, e.g. N=777, make XLA
+  # insert a relayout copy before the kernel; see the module docstring.)
+  comp = kernels.compile_for_tpu(
+      lambda a, b, c: matmul(a, b, bias=c, activation="gelu", dropout_rate=0.1, dropout_key=jax.random.key(0)),
+      sds((1000, 3000), bf16), sds((3000, 768), bf16), sds((768,), jnp.float32), generation=generation)
+  assert "tpu_custom_call" in comp.hlo
+
+
+@pytest.mark.tpu_aot
+def test_aot_transposes_batch_and_backward():
+  for ta, tb in itertools.product([False, True], repeat=2):
+    kernels.compile_for_tpu(lambda a, b: matmul(a, b, transpose_a=ta, transpose_b=tb, activation="relu"),
+                            sds((4, 512, 512), bf16), sds((512, 1024), bf16) if not tb else sds((1024, 512), bf16))
+  grad = jax.grad(lambda a, b, c: matmul(a, b, bias=c, activation="silu").astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  comp = kernels.compile_for_tpu(grad, sds((512, 1024), bf16), sds((1024, 768), bf16), sds((768,), jnp.float32),
+                                 generation="v5p")
+  assert comp.hlo.count("tpu_custom_call") >= 3  # forward, dA and dB all on the kernel
+
+
+@pytest.mark.tpu_aot
+def test_aot_raises_vmem_limit_for_large_blocks():
+  # 2 x (1024x2048 + 2048x1024 + 1024x1024) bf16 + 1024x1024 f32 = 24 MiB: above v5e's 16 MiB default
+  comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b, block_sizes=BlockSizes(1024, 2048, 1024)),
+                                 sds((2048, 4096), bf16), sds((4096, 2048), bf16), generation="v5e")
+  assert comp.vmem_bytes > 16 * 2 ** 20
+
+
+@pytest.mark.tpu_aot
+def test_aot_f32_precisions():
+  for precision in (None, "highest"):
+    kernels.compile_for_tpu(lambda a, b: matmul(a, b, precision=precision), sds((512, 512), jnp.float32),
+                            sds((512, 512), jnp.float32), generation="v5e")
+
+
+@pytest.mark.tpu_aot
+def test_estimate_below_roofline_and_near_xla():
+  n = 1024
+  flops, nbytes = kernels.matmul_cost(n, n, n)
+  ours = kernels.estimate_tpu(lambda a, b: matmul(a, b), sds((n, n), bf16), sds((n, n), bf16), generation="v5e",
+                              flops=flops, bytes_accessed=nbytes)
+  xla = kernels.estimate_tpu(lambda a, b: a @ b, sds((n, n), bf16), sds((n, n), bf16), generation="v5e",
+                             flops=flops, bytes_accessed=nbytes)
+  assert ours.valid and xla.valid
+  assert xla.seconds / ours.seconds > 0.97, (str(ours), str(xla))

@@ -1,0 +1,266 @@
+"""Tunes kernels.matmul's default block sizes with the TPU compiler's cost model.
+
+For each generation the estimator can model (v5e, v5p, v6e), each input dtype and
+each problem in PROBLEMS, it estimates the kernel at candidate ``(bm, bk, bn)``
+blocks and keeps the fastest; it also estimates XLA's ``a @ b`` for comparison.
+Every number is a **compiler estimate** (``kernels.estimate_tpu``), not a
+measurement. v4 cannot be estimated (libtpu's cost model does not model it): its
+entries are v5p's choices (same 128x128 MXUs, also a megacore), shrunk until they
+fit v4's 16 MiB of VMEM.
+
+The search: a few seed blocks, then hill climbing (double or halve one of bm, bk,
+bn) from the best until no neighbour is faster. Results go to
+``kernels/data/matmul_blocks.json`` after every problem, so an interrupted run
+resumes where it stopped (``--force`` re-tunes).
+
+Usage::
+
+  python tools/tune_matmul.py                      # everything missing
+  python tools/tune_matmul.py --generations v5e --dtypes bfloat16 --problems 2048x2048x2048
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kernels import matmul as mm  # noqa: E402
+from kernels.errors import KernelError  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
+                   "matmul_blocks.json")
+
+# (M, K, N): square sizes, and the skinny shapes of inference (decode: a few rows;
+# small-batch prefill; a narrow output projection).
+PROBLEMS = {
+    "bfloat16": [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
+                 (16, 4096, 4096), (256, 4096, 4096), (4096, 4096, 256)],
+    "float32": [(1024, 1024, 1024), (2048, 2048, 2048), (16, 2048, 2048)],
+    "int8": [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (32, 4096, 4096)],
+}
+GENERATIONS = ("v5e", "v5p", "v6e")
+SEEDS = [(512, 1024, 1024), (1024, 1024, 1024), (512, 2048, 512), (1024, 2048, 1024), (256, 512, 512),
+         (256, 4096, 512), (16, 4096, 512)]
+BM = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+BK = (128, 256, 512, 1024, 2048, 4096)
+BN = (128, 256, 512, 1024, 2048, 4096)
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def _fn(dtype, blocks):
+  if jnp.dtype(dtype) == jnp.int8:
+    return lambda a, b, sa, sb: mm.quantized_matmul(a, b, sa, sb, out_dtype=jnp.bfloat16, block_sizes=blocks)
+  return lambda a, b: mm.matmul(a, b, block_sizes=blocks)
+
+
+def _args(m, k, n, dtype):
+  args = [_sds((m, k), dtype), _sds((k, n), dtype)]
+  if jnp.dtype(dtype) == jnp.int8:
+    args += [_sds((m,), jnp.float32), _sds((n,), jnp.float32)]
+  return args
+
+
+def estimate(gen, dtype, m, k, n, blocks=None):
+  """Compiler estimate (seconds, fraction of roofline, valid) of ours (``blocks``) or XLA (None)."""
+  out_dtype = jnp.bfloat16 if jnp.dtype(dtype) == jnp.int8 else dtype
+  flops, nbytes = kernels.matmul_cost(m, k, n, dtype=dtype, out_dtype=out_dtype)
+  if blocks is None:
+    if jnp.dtype(dtype) == jnp.int8:
+      def fn(a, b, sa, sb):
+        acc = jax.lax.dot(a, b, preferred_element_type=jnp.int32)
+        return (acc.astype(jnp.float32) * sa[:, None] * sb[None, :]).astype(jnp.bfloat16)
+    else:
+      def fn(a, b):
+        return a @ b
+  else:
+    fn = _fn(dtype, blocks)
+  e = kernels.estimate_tpu(fn, *_args(m, k, n, dtype), generation=gen, flops=flops, bytes_accessed=nbytes,
+                           dtype=dtype)
+  return {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
+          "valid": e.valid}
+
+
+def estimate_isolated(gen, dtype, m, k, n, blocks=None):
+  """:func:`estimate` in a child process: libtpu's cost model aborts the whole process on some
+  programs (e.g. "Unsupported llo instruction"), and one bad candidate must not end the sweep."""
+  import subprocess
+  b = dataclasses.astuple(blocks) if blocks is not None else (0, 0, 0)
+  cmd = [sys.executable, os.path.abspath(__file__), "--one", gen, jnp.dtype(dtype).name,
+         *map(str, (m, k, n, *b))]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
+    raise KernelError("block_sizes", blocks, "the compiler or its cost model crashed: "
+                      + (tail[0][:160] if tail else f"exit {proc.returncode}"))
+  out = json.loads(lines[-1])
+  if "error" in out:
+    raise KernelError("block_sizes", blocks, out["error"])
+  return out
+
+
+def _effective(blocks, m, k, n, dtype):
+  return mm.fit_block_sizes(mm.BlockSizes(*blocks), m, k, n, dtype)
+
+
+def tune(gen, dtype, m, k, n, log=print, max_evals=40):
+  """Hill-climbs from the seeds; returns the entry for the table."""
+  seen: dict[tuple, dict | None] = {}
+
+  def try_blocks(blocks):
+    eff = dataclasses.astuple(_effective(blocks, m, k, n, dtype))
+    if eff in seen or len(seen) >= max_evals:
+      return seen.get(eff)
+    try:
+      r = estimate_isolated(gen, dtype, m, k, n, mm.BlockSizes(*eff))
+    except KernelError as e:  # does not fit VMEM, breaks the tiling rule, or fails to compile
+      log(f"    {eff}: skipped ({str(e).splitlines()[0][:120]})")
+      seen[eff] = None
+      return None
+    seen[eff] = r
+    log(f"    {eff}: {r['us']:.1f} us, {100 * r['fraction_of_roofline']:.1f}% of roofline")
+    return r
+
+  for s in SEEDS:
+    try_blocks(s)
+  while True:
+    scored = [(r["us"], b) for b, r in seen.items() if r is not None]
+    if not scored:
+      raise RuntimeError(f"no candidate compiled for {gen} {dtype} {m}x{k}x{n}")
+    best_us, best = min(scored)
+    for axis, values in enumerate((BM, BK, BN)):
+      i = values.index(best[axis]) if best[axis] in values else None
+      for j in ((i - 1, i + 1) if i is not None else ()):
+        if 0 <= j < len(values):
+          cand = list(best)
+          cand[axis] = values[j]
+          try_blocks(tuple(cand))
+    new_us, _ = min((r["us"], b) for b, r in seen.items() if r is not None)
+    if new_us >= best_us or len(seen) >= max_evals:
+      break
+  best_us, best = min((r["us"], b) for b, r in seen.items() if r is not None)
+  return best, seen[best], len([r for r in seen.values() if r is not None])
+
+
+def _load(path):
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as fh:
+      return json.load(fh)
+  return {}
+
+
+def _save(table, path):
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as fh:
+    json.dump(table, fh, indent=1)
+    fh.write("\n")
+  os.replace(tmp, path)
+
+
+def _derive_v4(table):
+  """v4 has no cost model: take v5p's blocks and halve the largest until they fit 16 MiB."""
+  from kernels.hardware import get_chip
+  from kernels import tiling
+  v4 = {}
+  for dtype, entries in table["defaults"].get("v5p", {}).items():
+    out = []
+    for e in entries:
+      b = [e["bm"], e["bk"], e["bn"]]
+      isz = jnp.dtype(dtype).itemsize
+      while True:
+        bm, bk, bn = dataclasses.astuple(_effective(b, e["m"], e["k"], e["n"], dtype))
+        fp = tiling.vmem_footprint([((bm, bk), dtype), ((bk, bn), dtype), ((bm, bn), "bfloat16")],
+                                   scratch=[((bm, bn), jnp.float32)])
+        try:
+          tiling.vmem_limit(fp, get_chip("v4"))
+          break
+        except KernelError:
+          b[b.index(max(b))] //= 2
+      del isz
+      out.append({"m": e["m"], "k": e["k"], "n": e["n"], "bm": bm, "bk": bk, "bn": bn,
+                  "source": "v5p's choice, fitted to v4's 16 MiB VMEM (no cost model for v4)"})
+    v4[dtype] = out
+  table["defaults"]["v4"] = v4
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+  ap.add_argument("--dtypes", nargs="*", default=list(PROBLEMS))
+  ap.add_argument("--problems", nargs="*", help="MxKxN; default: PROBLEMS for each dtype")
+  ap.add_argument("--out", default=OUT)
+  ap.add_argument("--force", action="store_true", help="re-tune problems already in the table")
+  ap.add_argument("--max-evals", type=int, default=40)
+  ap.add_argument("--one", nargs=8, metavar=("GEN", "DTYPE", "M", "K", "N", "BM", "BK", "BN"),
+                  help="estimate one configuration (BM=0: XLA) and print it as JSON (used internally)")
+  args = ap.parse_args(argv)
+  if args.one:
+    gen, dtype, *dims = args.one
+    m, k, n, bm, bk, bn = map(int, dims)
+    try:
+      r = estimate(gen, dtype, m, k, n, mm.BlockSizes(bm, bk, bn) if bm else None)
+    except KernelError as e:
+      r = {"error": str(e).splitlines()[0][:300]}
+    print(json.dumps(r), flush=True)
+    return
+  if not kernels.estimator_available():
+    sys.exit("the TPU compiler's cost model is unavailable (needs jax[tpu]; import kernels before jax)")
+
+  table = _load(args.out)
+  table.update({
+      "description": ("Default (bm, bk, bn) of kernels.matmul per TPU generation and input dtype, for the tuned "
+                      "problems [M, K] @ [K, N]; a call uses the nearest tuned problem (log2 distance). "
+                      "Chosen by tools/tune_matmul.py from compiler estimates (libtpu's static cost model via "
+                      "kernels.estimate_tpu): estimates, not measurements."),
+      "generated_by": "tools/tune_matmul.py",
+      "environment": {"jax": jax.__version__, "python": platform.python_version()},
+  })
+  table.setdefault("defaults", {})
+  t_all = time.time()
+  for gen in args.generations:
+    for dtype in args.dtypes:
+      problems = ([tuple(map(int, p.split("x"))) for p in args.problems] if args.problems else PROBLEMS[dtype])
+      entries = table["defaults"].setdefault(gen, {}).setdefault(dtype, [])
+      for (m, k, n) in problems:
+        done = next((e for e in entries if (e["m"], e["k"], e["n"]) == (m, k, n)), None)
+        if done and not args.force:
+          continue
+        t0 = time.time()
+        print(f"{gen} {dtype} {m}x{k}x{n}", flush=True)
+        try:
+          xla = estimate_isolated(gen, dtype, m, k, n)
+        except Exception as e:  # noqa: BLE001 - keep tuning the kernel even if XLA's estimate fails
+          xla = {"error": str(e).splitlines()[0][:200]}
+        best, r, tried = tune(gen, dtype, m, k, n, log=lambda s: print(s, flush=True), max_evals=args.max_evals)
+        entry = {"m": m, "k": k, "n": n, "bm": best[0], "bk": best[1], "bn": best[2], "estimate": r, "xla": xla,
+                 "candidates": tried, "tuned": datetime.date.today().isoformat(),
+                 "wall_seconds": round(time.time() - t0)}
+        if "us" in xla:
+          entry["speed_vs_xla"] = round(xla["us"] / r["us"], 4)
+        if done:
+          entries.remove(done)
+        entries.append(entry)
+        print(f"  -> {best}: {r['us']:.1f} us vs XLA {xla.get('us', float('nan')):.1f} us "
+              f"(compiler estimates, TPU {gen}) in {time.time() - t0:.0f} s", flush=True)
+        if "v5p" in table["defaults"]:
+          _derive_v4(table)
+        _save(table, args.out)
+  print(f"done in {time.time() - t_all:.0f} s")
+
+
+if __name__ == "__main__":
+  main()
