@@ -219,14 +219,24 @@ def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", **kwargs) -> T
   device = tpu_device(chip.name)
   abstract = _abstract(args, device)
   t0 = time.perf_counter()
+  folder = _env.STATIC_PROFILE_DIR
   with _lock, target(chip), _quiet_stderr():
+    if folder:
+      for path in glob.glob(os.path.join(folder, "*")):
+        os.remove(path)
     try:
       compiled = f.lower(*abstract).compile()
     except KernelError:
       raise
     except Exception as e:  # noqa: BLE001 - every compiler failure gets a readable error
       raise _readable(e, chip.name) from e
-  hlo = compiled.as_text() or ""
+    hlo = compiled.as_text() or ""
+    if folder:
+      # Remember the cost profile: JAX reuses executables, and a reused one writes none.
+      ops = _read_profile(folder)
+      key = _profile_key(chip.name, hlo)
+      if ops:
+        _profiles[key] = ops
   return TpuCompilation(chip.name, compiled, hlo, _vmem_from_hlo(hlo), _memory(compiled),
                         time.perf_counter() - t0)
 
@@ -286,7 +296,11 @@ class Estimate:
 
 
 _HLO_OP = re.compile(r'hlo_op_estimate\s*\{[^}]*?hlo_op_name:\s*"([^"]*)"[^}]*?estimated_cycles:\s*(\d+)', re.S)
-_cache: dict[str, dict[str, int]] = {}
+_profiles: dict[str, dict[str, int]] = {}  # cost profile per compiled program
+
+
+def _profile_key(generation: str, hlo: str) -> str:
+  return hashlib.sha256((generation + hlo).encode()).hexdigest()
 
 
 def _read_profile(folder: str) -> dict[str, int]:
@@ -321,17 +335,9 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         f"the TPU compiler's cost model cannot model TPU {chip.name} (libtpu: 'Dma latency model is only "
         f"supported on' {', '.join(PROFILED_GENERATIONS)}); compile_for_tpu still compiles for it")
-  with _lock:
-    for path in glob.glob(os.path.join(folder, "*")):
-      os.remove(path)
-    comp = compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
-    ops = _read_profile(folder)
-  key = hashlib.sha256((chip.name + comp.hlo).encode()).hexdigest()
-  if ops:
-    _cache[key] = ops
-  elif key in _cache:  # JAX reused an executable, so nothing was re-simulated
-    ops = _cache[key]
-  else:
+  comp = compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
+  ops = _profiles.get(_profile_key(chip.name, comp.hlo))
+  if not ops:
     raise EstimatorUnavailableError(
         f"libtpu wrote no static profile to {folder}: it was probably loaded before kernels set "
         "LIBTPU_INIT_ARGS (import kernels first, in a fresh process)")

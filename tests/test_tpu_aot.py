@@ -104,3 +104,12 @@ def test_xla_memory_analysis():
   comp = kernels.compile_for_tpu(lambda a, b: jax.nn.softmax(a @ b.T, axis=-1), sds(2048, 128), sds(2048, 128))
   assert comp.memory["output"] == 2048 * 2048 * 2
   assert tpu.estimator_available()
+
+
+def test_estimate_after_compile_of_the_same_program():
+  # JAX reuses the executable of an identical program; its cost profile must still be found.
+  f = lambda a, b: (a @ b) * 3
+  args = (sds(384, 256), sds(256, 512))
+  comp = kernels.compile_for_tpu(f, *args)
+  e = kernels.estimate_tpu(f, *args)
+  assert e.cycles > 0 and comp.hlo
