@@ -381,10 +381,9 @@ def _reference(a, b, bias, seed, a_scale, b_scale, *, p: _Problem):
   nb = acc.shape[0]
   rows = lax.broadcasted_iota(jnp.int32, (nb * p.m, p.n), 0)
   cols = lax.broadcasted_iota(jnp.int32, (nb * p.m, p.n), 1)
-  if a_scale is not None:
-    a_scale = jnp.broadcast_to(a_scale, batch + (p.m, 1)).reshape(nb * p.m, 1)
-    b_scale = jnp.broadcast_to(b_scale, batch + (1, p.n)).reshape(nb, 1, p.n)
-    b_scale = jnp.repeat(b_scale, p.m, axis=0).reshape(nb * p.m, p.n)
+  if a_scale is not None:  # (prod(a_batch), M, 1) and (prod(b_batch), 1, N), see _scales
+    a_scale = jnp.broadcast_to(a_scale.reshape(p.a_batch + (p.m, 1)), batch + (p.m, 1)).reshape(nb * p.m, 1)
+    b_scale = jnp.broadcast_to(b_scale.reshape(p.b_batch + (1, p.n)), batch + (p.m, p.n)).reshape(nb * p.m, p.n)
   _, y = _epilogue(acc.reshape(nb * p.m, p.n), bias=None if bias is None else bias.reshape(1, p.n),
                    activation=p.activation, dropout_rate=p.dropout_rate, seed=seed, rows=rows, cols=cols,
                    a_scale=a_scale, b_scale=b_scale)
@@ -467,10 +466,17 @@ def _flat_batch_index(g, full: tuple[int, ...], own: tuple[int, ...]):
 
 
 def _zero_tail(x, axis: int, valid: int):
-  """Zeroes ``x`` from index ``valid`` on along ``axis``. The select runs on 32-bit values:
-  a select on packed bf16/int8 vregs feeds the MXU a type libtpu's checker rejects."""
-  wide = jnp.int32 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32
+  """Zeroes ``x`` from index ``valid`` on along ``axis``.
+
+  The select runs on 32-bit values: a select on packed bf16/int8 vregs feeds the MXU
+  a type libtpu's LLO checker rejects. fp8 is selected through its bits (int8, zero is
+  0x00), since converting f32 back to fp8 trips the same checker on v6e.
+  """
   keep = lax.broadcasted_iota(jnp.int32, x.shape, axis) < valid
+  if x.dtype in FP8_DTYPES:
+    bits = lax.bitcast_convert_type(x, jnp.int8)
+    return lax.bitcast_convert_type(jnp.where(keep, bits.astype(jnp.int32), 0).astype(jnp.int8), x.dtype)
+  wide = jnp.int32 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32
   return jnp.where(keep, x.astype(wide), 0).astype(x.dtype)
 
 
@@ -749,4 +755,97 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=
                                                               interpret=interpret),
       xla=lambda a, b, bias, seed: _reference(a, b, bias, seed, None, None, p=p),
       implementation=implementation, interpret=interpret, prefer_xla=PREFER_XLA)
+  return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------
+# Quantized: int8 x int8 (int32 accumulation) or fp8 x fp8 (f32), scales in the epilogue
+# ---------------------------------------------------------------------------------
+
+# Input dtypes Mosaic's MXU lowering accepts, by generation (observed with AOT compiles in
+# jax 0.10.2 / libtpu 0.0.42: v4 rejects int8 and fp8 right operands with
+# "CompileTimeMosaicUnsupportedRhsType"). v5e and v5p have no fp8 MXU rate: Mosaic accepts
+# fp8 there but it runs no faster than bf16.
+MXU_DTYPES = {
+    "v4": ("bfloat16", "float32"),
+    "v5e": ("bfloat16", "float32", "int8", "float8_e4m3fn", "float8_e5m2"),
+    "v5p": ("bfloat16", "float32", "int8", "float8_e4m3fn", "float8_e5m2"),
+    "v6e": ("bfloat16", "float32", "int8", "float8_e4m3fn", "float8_e5m2"),
+}
+
+
+def _scale(name, s, own_batch_shape, rows: int, column: bool):
+  """A per-row (``column=False``) or per-column scale as f32 (prod(batch), rows, 1) or (prod(batch), 1, cols)."""
+  check(hasattr(s, "shape") and hasattr(s, "dtype") and jnp.issubdtype(s.dtype, jnp.floating), name, s,
+        "must be a floating-point array")
+  own = tuple(own_batch_shape)
+  vec = (1, rows) if column else (rows, 1)
+  allowed = [(), (rows,), vec, own + (rows,), own + vec]
+  check(tuple(s.shape) in allowed, name, s,
+        f"must have shape {allowed[1]} ({'one per output column' if column else 'one per output row'}), "
+        f"{vec}, {own + (rows,)} or be a scalar")
+  s = s.astype(jnp.float32)
+  if s.shape in ((), (rows,), vec):
+    s = jnp.broadcast_to(s.reshape(vec) if s.ndim else s, own + vec)
+  return s.reshape((math.prod(own),) + vec)
+
+
+def _quantized_inputs(a, b, a_scale, b_scale, kw):
+  p = _validate(a, b, quantized=True, **kw)
+  a_s = _scale("a_scale", a_scale, a.shape[:-2], p.m, column=False)
+  b_s = _scale("b_scale", b_scale, b.shape[:-2], p.n, column=True)
+  return p, a_s, b_s
+
+
+def quantized_matmul_reference(a, b, a_scale, b_scale, *, transpose_a=False, transpose_b=False, bias=None,
+                               activation=None, out_dtype=None, dropout_rate=0.0, dropout_key=None):
+  """Pure-JAX :func:`quantized_matmul`."""
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, activation=activation, out_dtype=out_dtype,
+            precision=None, dropout_rate=dropout_rate, dropout_key=dropout_key)
+  p, a_s, b_s = _quantized_inputs(a, b, a_scale, b_scale, kw)
+  seed = dropout_seed(dropout_key) if p.dropout_rate else None
+  return _reference(a, b, bias, seed, a_s, b_s, p=p)
+
+
+def quantized_matmul(a, b, a_scale, b_scale, *, transpose_a=False, transpose_b=False, bias=None, activation=None,
+                     out_dtype=None, dropout_rate=0.0, dropout_key=None, block_sizes=None, implementation=None,
+                     interpret=None):
+  """``dropout(act((op(a) @ op(b)) * a_scale[:, None] * b_scale[None, :] + bias))`` for quantized operands.
+
+  ``a`` and ``b`` are both int8 (products summed exactly in int32 in VMEM) or both
+  float8 (``float8_e4m3fn`` or ``float8_e5m2``, summed in f32). ``a_scale`` holds one
+  dequantization scale per output row (``[M]``, ``[M, 1]``, per batch ``[..., M]``, or
+  a scalar), ``b_scale`` one per output column (``[N]``, ``[1, N]``, ``[..., N]``, or a
+  scalar): the usual per-token activation / per-channel weight quantization. The
+  scales, bias, activation and dropout are applied in f32 at the last K step, and
+  the output (default float32, or bfloat16) is written once. Not differentiable.
+
+  Where Mosaic cannot lower the dtype for the target TPU (int8 and fp8 on v4; see
+  :data:`MXU_DTYPES`) the Pallas implementation refuses: ``implementation="pallas"``
+  raises a :class:`~kernels.errors.KernelError` naming the dtype and the generation,
+  ``implementation=None`` falls back to XLA.
+  """
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, activation=activation, out_dtype=out_dtype,
+            precision=None, dropout_rate=dropout_rate, dropout_key=dropout_key)
+  p, a_s, b_s = _quantized_inputs(a, b, a_scale, b_scale, kw)
+  blocks = _check_blocks(block_sizes)
+  seed = dropout_seed(dropout_key) if p.dropout_rate else None
+  shape = p.batch + (p.m, p.n)
+  folded, q = _fold(a, b, p)
+  if q is not p:
+    a, a_s, p = folded, a_s.reshape(1, q.m, 1), q
+
+  def pallas(a, b, bias, seed, a_s, b_s, interpret):
+    chip = target_chip()
+    if not interpret and chip is not None and p.dtype.name not in MXU_DTYPES.get(chip.name, ()):
+      raise NotImplementedError(f"{p.dtype.name} matmul does not lower on TPU {chip.name} (Mosaic has no "
+                                f"{p.dtype.name} MXU path there; supported: {', '.join(MXU_DTYPES[chip.name])})")
+    plan = _plan(p, blocks, save_z=False)
+    out = _pallas_matmul(_as3d(a, p.a_batch), _as3d(b, p.b_batch), bias, seed, a_s, b_s, p=p, plan=plan,
+                         interpret=interpret)[0]
+    return out.reshape(p.batch + (p.m, p.n))
+
+  out = dispatch("quantized_matmul", a, b, bias, seed, a_s, b_s, pallas=pallas,
+                 xla=lambda a, b, bias, seed, a_s, b_s: _reference(a, b, bias, seed, a_s, b_s, p=p),
+                 implementation=implementation, interpret=interpret, prefer_xla=PREFER_XLA)
   return out.reshape(shape)

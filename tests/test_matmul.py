@@ -262,6 +262,66 @@ def test_xla_implementation_is_the_reference():
   np.testing.assert_array_equal(matmul(a, b, **kw), matmul_reference(a, b, **kw))  # CPU default: XLA
 
 
+# --- quantized ---------------------------------------------------------------------
+
+QUANT = [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+def quantized_operands(m, k, n, dtype, transpose_a=False, transpose_b=False, batch_a=(), seed=0):
+  rng = np.random.default_rng(seed)
+  if jnp.dtype(dtype) == jnp.int8:
+    make = lambda shape: jnp.asarray(rng.integers(-128, 128, shape), jnp.int8)  # noqa: E731
+  else:
+    make = lambda shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+  a = make(batch_a + ((k, m) if transpose_a else (m, k)))
+  b = make((n, k) if transpose_b else (k, n))
+  a_scale = jnp.asarray(rng.uniform(0.5, 1.5, batch_a + (m,)) / k, jnp.float32)
+  b_scale = jnp.asarray(rng.uniform(0.5, 1.5, (n,)) / 100, jnp.float32)
+  return a, b, a_scale, b_scale
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, True)])
+def test_quantized_matches_oracle(dtype, transpose_a, transpose_b):
+  # K = 300: a masked K tail in the narrow dtype; int8 sums are exact in int32
+  a, b, sa, sb = quantized_operands(72, 300, 200, dtype, transpose_a, transpose_b)
+  bias = rand((200,), seed=3, scale=1)
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, activation="gelu")
+  blocks = BlockSizes(128 if transpose_a else 32, 128, 128)
+  out = mm.quantized_matmul(a, b, sa, sb, implementation="pallas", interpret=True, block_sizes=blocks, **kw)
+  assert out.dtype == jnp.float32 and out.shape == (72, 200)
+  ref = mm.quantized_matmul_reference(a, b, sa, sb, **kw)
+  np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(f64(out), oracle(a, b, a_scale=sa, b_scale=sb, **kw), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_scales_batch_dropout_and_bf16_out():
+  a, b, sa, sb = quantized_operands(40, 128, 136, jnp.int8, batch_a=(2, 3))
+  kw = dict(activation="relu", dropout_rate=0.3, dropout_key=jax.random.key(0), out_dtype=jnp.bfloat16)
+  out = mm.quantized_matmul(a, b, sa, sb[None, :], interpret=True, block_sizes=BlockSizes(32, 128, 128), **kw)
+  ref = mm.quantized_matmul_reference(a, b, sa, sb, **kw)
+  assert out.shape == (2, 3, 40, 136) and out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out) == 0, np.asarray(ref) == 0)
+  assert_close(out, f64(ref), jnp.bfloat16)
+  # scalar (per-tensor) scales and M=1
+  a, b, _, _ = quantized_operands(1, 200, 128, jnp.int8)
+  out = mm.quantized_matmul(a, b, jnp.float32(0.5), jnp.float32(0.25), interpret=True)
+  np.testing.assert_allclose(f64(out), f64(a) @ f64(b) * 0.125, rtol=1e-6)
+
+
+def test_quantized_bad_input():
+  a, b, sa, sb = quantized_operands(64, 128, 128, jnp.int8)
+  cases = [("a", dict(a=a.astype(jnp.bfloat16), b=b.astype(jnp.bfloat16))), ("b", dict(b=b.astype(jnp.float8_e4m3fn))),
+           ("a_scale", dict(a_scale=jnp.ones((128,)))), ("b_scale", dict(b_scale=jnp.ones((64,)))),
+           ("a_scale", dict(a_scale=jnp.ones((64,), jnp.int32))), ("b", dict(b=b[:100]))]
+  for argument, override in cases:
+    kw = dict(a=a, b=b, a_scale=sa, b_scale=sb)
+    kw.update(override)
+    with pytest.raises(kernels.KernelError) as info:
+      mm.quantized_matmul(kw["a"], kw["b"], kw["a_scale"], kw["b_scale"], interpret=True)
+    assert info.value.argument == argument, str(info.value)
+
+
 # --- composition -----------------------------------------------------------------
 
 
@@ -457,3 +517,18 @@ def test_estimate_below_roofline_and_near_xla():
                              flops=flops, bytes_accessed=nbytes)
   assert ours.valid and xla.valid
   assert xla.seconds / ours.seconds > 0.97, (str(ours), str(xla))
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_quantized(generation):
+  def q(a, b, sa, sb):
+    return mm.quantized_matmul(a, b, sa, sb, activation="relu", out_dtype=bf16, implementation="pallas")
+  for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
+    # (a [1024, 3000] fp8 would get an XLA relayout copy before the kernel, which crashes libtpu's cost model)
+    args = (sds((1000, 3000), dtype), sds((3000, 768), dtype), sds((1000,), jnp.float32), sds((768,), jnp.float32))
+    if jnp.dtype(dtype).name in mm.MXU_DTYPES[generation]:
+      assert "tpu_custom_call" in kernels.compile_for_tpu(q, *args, generation=generation).hlo
+    else:  # v4: Mosaic has no int8/fp8 MXU path; Pallas refuses with a KernelError naming dtype and chip
+      with pytest.raises(kernels.KernelError, match=f"{jnp.dtype(dtype).name} matmul does not lower on TPU {generation}"):
+        kernels.compile_for_tpu(q, *args, generation=generation)
