@@ -27,7 +27,18 @@ def tpu_attached() -> bool:
   """True if this host has a TPU device node (TPU VMs, Colab and Kaggle TPU runtimes)."""
   if os.environ.get("KERNELS_ASSUME_TPU") == "1":
     return True
-  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+  if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+    return True
+  if any(os.environ.get(v) for v in ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES")):
+    return True
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):  # TPU chips are Google (0x1ae0) PCI devices
+    try:
+      with open(vendor) as fh:
+        if fh.read().strip() == "0x1ae0":
+          return True
+    except OSError:
+      pass
+  return False
 
 
 def _libtpu_loaded() -> bool:
