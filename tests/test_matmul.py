@@ -532,3 +532,21 @@ def test_aot_quantized(generation):
     else:  # v4: Mosaic has no int8/fp8 MXU path; Pallas refuses with a KernelError naming dtype and chip
       with pytest.raises(kernels.KernelError, match=f"{jnp.dtype(dtype).name} matmul does not lower on TPU {generation}"):
         kernels.compile_for_tpu(q, *args, generation=generation)
+
+
+@pytest.mark.tpu_aot
+def test_megacore_splits_the_parallel_axes(monkeypatch):
+  # v5p has two TensorCores per device: with M and N "parallel" Mosaic gives each core half the
+  # grid, so the estimate is ~half of the same kernel with every axis "arbitrary".
+  def estimate():
+    flops, nbytes = kernels.matmul_cost(1024, 1024, 1024)
+    return kernels.estimate_tpu(lambda a, b: matmul(a, b, block_sizes=BlockSizes(256, 1024, 256)),
+                                sds((1024, 1024), bf16), sds((1024, 1024), bf16), generation="v5p",
+                                flops=flops, bytes_accessed=nbytes).seconds
+  parallel = estimate()
+  original = pltpu.CompilerParams
+
+  def sequential(dimension_semantics=None, **kw):
+    return original(dimension_semantics=("arbitrary",) * len(dimension_semantics), **kw)
+  monkeypatch.setattr(pltpu, "CompilerParams", sequential)
+  assert parallel < 0.6 * estimate()
