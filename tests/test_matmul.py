@@ -481,15 +481,25 @@ def test_aot_compiles_at_defaults(generation):
   assert "tpu_custom_call" in comp.hlo
 
 
+def _hlo_ops(hlo: str) -> set[str]:
+  import re
+  return set(re.findall(r"= \S+ ([a-z][\w-]*)\(", hlo))
+
+
 @pytest.mark.tpu_aot
 def test_aot_transposes_batch_and_backward():
+  # Transposes happen in the kernel (index maps + dot dimension numbers): no transpose or
+  # copy op in HBM, forward or backward.
   for ta, tb in itertools.product([False, True], repeat=2):
-    kernels.compile_for_tpu(lambda a, b: matmul(a, b, transpose_a=ta, transpose_b=tb, activation="relu"),
-                            sds((4, 512, 512), bf16), sds((512, 1024), bf16) if not tb else sds((1024, 512), bf16))
-  grad = jax.grad(lambda a, b, c: matmul(a, b, bias=c, activation="silu").astype(jnp.float32).sum(), argnums=(0, 1, 2))
-  comp = kernels.compile_for_tpu(grad, sds((512, 1024), bf16), sds((1024, 768), bf16), sds((768,), jnp.float32),
+    comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b, transpose_a=ta, transpose_b=tb, activation="relu"),
+                                   sds((4, 512, 512), bf16), sds((512, 1024), bf16) if not tb else sds((1024, 512), bf16))
+    assert _hlo_ops(comp.hlo) <= {"parameter", "bitcast", "custom-call", "reshape"}, _hlo_ops(comp.hlo)
+  grad = jax.grad(lambda a, b, c: matmul(a, b, bias=c, activation="silu", transpose_b=True).astype(jnp.float32).sum(),
+                  argnums=(0, 1, 2))
+  comp = kernels.compile_for_tpu(grad, sds((512, 1024), bf16), sds((768, 1024), bf16), sds((768,), jnp.float32),
                                  generation="v5p")
   assert comp.hlo.count("tpu_custom_call") >= 3  # forward, dA and dB all on the kernel
+  assert not _hlo_ops(comp.hlo) & {"transpose", "copy"}, _hlo_ops(comp.hlo)
 
 
 @pytest.mark.tpu_aot

@@ -9,14 +9,24 @@ entries are v5p's choices (same 128x128 MXUs, also a megacore), shrunk until the
 fit v4's 16 MiB of VMEM.
 
 The search: a few seed blocks, then hill climbing (double or halve one of bm, bk,
-bn) from the best until no neighbour is faster. Results go to
-``kernels/data/matmul_blocks.json`` after every problem, so an interrupted run
-resumes where it stopped (``--force`` re-tunes).
+bn) from the best until no neighbour is faster. Each estimate runs in a child
+process, because libtpu's cost model aborts the process on some programs. Results
+go to ``kernels/data/matmul_blocks.json`` after every problem, so an interrupted
+run resumes where it stopped (``--force`` re-tunes).
+
+XLA is estimated twice: as compiled by default, and without cross-program prefetch
+(XLA copies one entry parameter -- a 32 MiB weight, say -- into VMEM before the
+program starts and the cost model does not charge that copy, so its default
+estimate of a memory-bound matmul can beat the HBM roofline).
 
 Usage::
 
-  python tools/tune_matmul.py                      # everything missing
+  python tools/tune_matmul.py                      # everything missing (~1 h per dtype on 2 cores)
   python tools/tune_matmul.py --generations v5e --dtypes bfloat16 --problems 2048x2048x2048
+  # 8192^3: each estimate takes minutes and several GB of RAM, so try a few blocks only
+  python tools/tune_matmul.py --generations v5e v6e --dtypes bfloat16 --problems 8192x8192x8192 \
+      --candidates 1024,2048,1024 2048,2048,2048 2048,1024,2048
+  python tools/tune_matmul.py --xla-only           # refresh XLA's estimates of tuned problems
 """
 from __future__ import annotations
 
@@ -94,14 +104,24 @@ def estimate(gen, dtype, m, k, n, blocks=None):
           "valid": e.valid}
 
 
-def estimate_isolated(gen, dtype, m, k, n, blocks=None):
+# XLA:TPU moves one entry parameter into VMEM before the program starts ("cross-program
+# prefetch", e.g. the whole weight of a 256x4096x4096 matmul); the cost model does not
+# charge that copy, so XLA's estimate can beat the HBM roofline. Kernels that read their
+# operands from HBM are also compared with XLA compiled without it.
+NO_CROSS_PROGRAM_PREFETCH = "--xla_max_cross_program_prefetches=0"
+
+
+def estimate_isolated(gen, dtype, m, k, n, blocks=None, libtpu_flags=""):
   """:func:`estimate` in a child process: libtpu's cost model aborts the whole process on some
   programs (e.g. "Unsupported llo instruction"), and one bad candidate must not end the sweep."""
   import subprocess
   b = dataclasses.astuple(blocks) if blocks is not None else (0, 0, 0)
   cmd = [sys.executable, os.path.abspath(__file__), "--one", gen, jnp.dtype(dtype).name,
          *map(str, (m, k, n, *b))]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+  env = dict(os.environ)
+  if libtpu_flags:  # kernels._env keeps these and appends the cost model's flag
+    env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " " + libtpu_flags).strip()
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
   if not lines:
     tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
@@ -117,8 +137,8 @@ def _effective(blocks, m, k, n, dtype):
   return mm.fit_block_sizes(mm.BlockSizes(*blocks), m, k, n, dtype)
 
 
-def tune(gen, dtype, m, k, n, log=print, max_evals=40):
-  """Hill-climbs from the seeds; returns the entry for the table."""
+def tune(gen, dtype, m, k, n, log=print, max_evals=40, candidates=None):
+  """Hill-climbs from the seeds (or tries only ``candidates``); returns the best blocks."""
   seen: dict[tuple, dict | None] = {}
 
   def try_blocks(blocks):
@@ -135,9 +155,9 @@ def tune(gen, dtype, m, k, n, log=print, max_evals=40):
     log(f"    {eff}: {r['us']:.1f} us, {100 * r['fraction_of_roofline']:.1f}% of roofline")
     return r
 
-  for s in SEEDS:
+  for s in candidates or SEEDS:
     try_blocks(s)
-  while True:
+  while not candidates:
     scored = [(r["us"], b) for b, r in seen.items() if r is not None]
     if not scored:
       raise RuntimeError(f"no candidate compiled for {gen} {dtype} {m}x{k}x{n}")
@@ -171,30 +191,49 @@ def _save(table, path):
   os.replace(tmp, path)
 
 
+def _fits(gen, dtype, m, k, n, blocks) -> bool:
+  """True if the kernel's own VMEM plan accepts ``blocks`` on ``gen`` (the check it runs before lowering)."""
+  from kernels.backend import target
+  p = mm._Problem(m=m, k=k, n=n, batch=(), a_batch=(), b_batch=(), transpose_a=False, transpose_b=False,
+                  dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(jnp.bfloat16), has_bias=False, activation=None,
+                  dropout_rate=0.0, precision=None, quantized=jnp.dtype(dtype).itemsize == 1)
+  with target(gen):
+    try:
+      mm._plan(p, mm.BlockSizes(*blocks), save_z=False)
+      return True
+    except KernelError:
+      return False
+
+
 def _derive_v4(table):
-  """v4 has no cost model: take v5p's blocks and halve the largest until they fit 16 MiB."""
-  from kernels.hardware import get_chip
-  from kernels import tiling
+  """v4 has no cost model: take v5p's blocks and halve the largest until they fit its 16 MiB of VMEM."""
   v4 = {}
   for dtype, entries in table["defaults"].get("v5p", {}).items():
+    if dtype not in mm.MXU_DTYPES["v4"]:
+      continue  # Mosaic has no int8/fp8 MXU path on v4
     out = []
     for e in entries:
       b = [e["bm"], e["bk"], e["bn"]]
-      isz = jnp.dtype(dtype).itemsize
-      while True:
-        bm, bk, bn = dataclasses.astuple(_effective(b, e["m"], e["k"], e["n"], dtype))
-        fp = tiling.vmem_footprint([((bm, bk), dtype), ((bk, bn), dtype), ((bm, bn), "bfloat16")],
-                                   scratch=[((bm, bn), jnp.float32)])
-        try:
-          tiling.vmem_limit(fp, get_chip("v4"))
-          break
-        except KernelError:
-          b[b.index(max(b))] //= 2
-      del isz
+      while not _fits("v4", dtype, e["m"], e["k"], e["n"], b):
+        b[b.index(max(b))] //= 2
+      bm, bk, bn = dataclasses.astuple(_effective(b, e["m"], e["k"], e["n"], dtype))
       out.append({"m": e["m"], "k": e["k"], "n": e["n"], "bm": bm, "bk": bk, "bn": bn,
-                  "source": "v5p's choice, fitted to v4's 16 MiB VMEM (no cost model for v4)"})
+                  "source": "v5p's choice, fitted to v4's 16 MiB VMEM (libtpu has no cost model for v4)"})
     v4[dtype] = out
   table["defaults"]["v4"] = v4
+
+
+def _xla_fields(gen, dtype, m, k, n, ours):
+  """XLA's estimate, as compiled by default and without cross-program prefetch, and our speed ratio to each."""
+  out = {}
+  for key, flags in (("xla", ""), ("xla_no_cross_program_prefetch", NO_CROSS_PROGRAM_PREFETCH)):
+    try:
+      out[key] = estimate_isolated(gen, dtype, m, k, n, libtpu_flags=flags)
+    except Exception as e:  # noqa: BLE001 - keep the kernel's result even if XLA's estimate fails
+      out[key] = {"error": str(e).splitlines()[0][:200]}
+    if "us" in out[key]:
+      out["speed_vs_" + key] = round(out[key]["us"] / ours["us"], 4)
+  return out
 
 
 def main(argv=None):
@@ -205,6 +244,9 @@ def main(argv=None):
   ap.add_argument("--out", default=OUT)
   ap.add_argument("--force", action="store_true", help="re-tune problems already in the table")
   ap.add_argument("--max-evals", type=int, default=40)
+  ap.add_argument("--candidates", nargs="*", help="bm,bk,bn blocks to try instead of hill climbing "
+                  "(for large problems, where each estimate takes minutes)")
+  ap.add_argument("--xla-only", action="store_true", help="only (re-)estimate XLA for problems in the table")
   ap.add_argument("--one", nargs=8, metavar=("GEN", "DTYPE", "M", "K", "N", "BM", "BK", "BN"),
                   help="estimate one configuration (BM=0: XLA) and print it as JSON (used internally)")
   args = ap.parse_args(argv)
@@ -237,24 +279,28 @@ def main(argv=None):
       entries = table["defaults"].setdefault(gen, {}).setdefault(dtype, [])
       for (m, k, n) in problems:
         done = next((e for e in entries if (e["m"], e["k"], e["n"]) == (m, k, n)), None)
+        if args.xla_only:
+          if done:
+            print(f"{gen} {dtype} {m}x{k}x{n}: XLA", flush=True)
+            done.update(_xla_fields(gen, dtype, m, k, n, done["estimate"]))
+            _save(table, args.out)
+          continue
         if done and not args.force:
           continue
         t0 = time.time()
         print(f"{gen} {dtype} {m}x{k}x{n}", flush=True)
-        try:
-          xla = estimate_isolated(gen, dtype, m, k, n)
-        except Exception as e:  # noqa: BLE001 - keep tuning the kernel even if XLA's estimate fails
-          xla = {"error": str(e).splitlines()[0][:200]}
-        best, r, tried = tune(gen, dtype, m, k, n, log=lambda s: print(s, flush=True), max_evals=args.max_evals)
-        entry = {"m": m, "k": k, "n": n, "bm": best[0], "bk": best[1], "bn": best[2], "estimate": r, "xla": xla,
-                 "candidates": tried, "tuned": datetime.date.today().isoformat(),
-                 "wall_seconds": round(time.time() - t0)}
-        if "us" in xla:
-          entry["speed_vs_xla"] = round(xla["us"] / r["us"], 4)
+        cands = [tuple(map(int, c.split(","))) for c in args.candidates] if args.candidates else None
+        best, r, tried = tune(gen, dtype, m, k, n, log=lambda s: print(s, flush=True), max_evals=args.max_evals,
+                              candidates=cands)
+        entry = {"m": m, "k": k, "n": n, "bm": best[0], "bk": best[1], "bn": best[2], "estimate": r,
+                 "candidates": tried, "tuned": datetime.date.today().isoformat()}
+        entry.update(_xla_fields(gen, dtype, m, k, n, r))
+        entry["wall_seconds"] = round(time.time() - t0)
         if done:
           entries.remove(done)
         entries.append(entry)
-        print(f"  -> {best}: {r['us']:.1f} us vs XLA {xla.get('us', float('nan')):.1f} us "
+        print(f"  -> {best}: {r['us']:.1f} us; XLA {entry['xla'].get('us', float('nan')):.1f} us, without "
+              f"cross-program prefetch {entry['xla_no_cross_program_prefetch'].get('us', float('nan')):.1f} us "
               f"(compiler estimates, TPU {gen}) in {time.time() - t0:.0f} s", flush=True)
         if "v5p" in table["defaults"]:
           _derive_v4(table)
