@@ -123,10 +123,13 @@ QUANT_DTYPES = (jnp.dtype(jnp.int8),) + FP8_DTYPES
 class BlockSizes:
   """One grid step's tile: ``A`` block ``bm x bk``, ``B`` block ``bk x bn``, output ``bm x bn``.
 
-  A block larger than the matrix dimension is shrunk to the whole dimension.
-  Otherwise ``bm`` must be a multiple of 8 (of 128 when A is transposed, since M is
-  then A's lane dimension), ``bk`` and ``bn`` multiples of 128 (``bk`` of 8 when
-  ``transpose_a`` only, ``bn`` of 8 when ``transpose_b``): Mosaic's tiling rule.
+  A block larger than the matrix dimension is shrunk to the whole dimension
+  (:func:`fit_block_sizes`). Otherwise Mosaic's tiling rule applies to each
+  operand's block in its own layout: the last (lane) dimension a multiple of 128,
+  the one before (sublane) a multiple of 8. So ``bn`` is a multiple of 128 (it is
+  the output's lane dimension), ``bm`` of 8 (of 128 with ``transpose_a``, where M
+  is A's lane dimension) and ``bk`` of 128 (of 8 with ``transpose_a`` and not
+  ``transpose_b``, where K is the sublane dimension of both operands).
   """
 
   bm: int = 512
@@ -163,7 +166,10 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
   per_gen = _block_table().get(gen, {})
-  entries = per_gen.get(jnp.dtype(dtype).name) or per_gen.get("bfloat16") or []
+  name = jnp.dtype(dtype).name
+  # fp8 has no table of its own: one-byte operands tile like int8.
+  entries = (per_gen.get(name) or (per_gen.get("int8") if name.startswith("float8") else None)
+             or per_gen.get("bfloat16") or [])
   if not entries:
     return _FALLBACK
 
@@ -175,10 +181,14 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
 
 def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat16,
                     transpose_a: bool = False) -> BlockSizes:
-  """The blocks the kernel really uses for ``[m, k] @ [k, n]``: a block larger than its
-  dimension becomes the whole dimension, except that a few rows of untransposed A are
-  rounded up to whole packed sublane tiles (16 bf16 rows, 32 int8 rows): a block
-  hanging over the edge of the array is what Mosaic's MXU path expects for decode shapes."""
+  """The blocks the kernel really uses for ``[m, k] @ [k, n]``.
+
+  A block larger than its dimension becomes the whole dimension, except that a few
+  rows of untransposed A (decode shapes) are rounded up to whole packed sublane
+  tiles (16 bf16 rows, 32 int8 rows), the block hanging over the array's edge:
+  Mosaic compiles 8-row bf16 blocks, but libtpu's LLO type check (run by its cost
+  model) rejects the MXU operands they produce.
+  """
   bm, bk, bn = (min(blocks.bm, m), min(blocks.bk, k), min(blocks.bn, n))
   sub = tiling.sublane_multiple(dtype)
   if bm == m and m % sub and not transpose_a:
@@ -309,7 +319,7 @@ def _check_operand(name: str, x, dtypes, hint: str):
 
 
 def _validate(a, b, *, transpose_a, transpose_b, bias, activation, out_dtype, precision, dropout_rate,
-              dropout_key, quantized=False, a_scale=None, b_scale=None) -> _Problem:
+              dropout_key, quantized=False) -> _Problem:
   if quantized:
     dtypes, hint = QUANT_DTYPES, "quantized_matmul takes int8, float8_e4m3fn or float8_e5m2"
   else:
@@ -373,8 +383,11 @@ def _dot_dims(nd_a: int, nd_b: int, transpose_a: bool, transpose_b: bool):
 
 def _reference(a, b, bias, seed, a_scale, b_scale, *, p: _Problem):
   batch = p.batch
-  a3 = jnp.broadcast_to(a, batch + a.shape[-2:]).reshape((-1,) + a.shape[-2:])
-  b3 = jnp.broadcast_to(b, batch + b.shape[-2:]).reshape((-1,) + b.shape[-2:])
+
+  def flat(x, own):  # (*own, r, c) -> (prod(batch), r, c); copies only an operand that broadcasts
+    x = x if own == batch else jnp.broadcast_to(x.reshape(own + x.shape[-2:]), batch + x.shape[-2:])
+    return x.reshape((math.prod(batch),) + x.shape[-2:])
+  a3, b3 = flat(a, p.a_batch), flat(b, p.b_batch)
   acc_type = jnp.int32 if p.dtype == jnp.int8 else jnp.float32
   acc = lax.dot_general(a3, b3, _dot_dims(3, 3, p.transpose_a, p.transpose_b), precision=p.precision,
                         preferred_element_type=acc_type)
