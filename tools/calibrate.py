@@ -12,7 +12,7 @@ TPU v5e (https://docs.jax.dev/en/latest/pallas/tpu/matmul.html):
 * the guide's blocked matmul, bm=512, bk=1024, bn=1024 (f32 VMEM accumulator, K
   innermost and "arbitrary"), at 1024^3, 4096^3 and 8192^3;
 * XLA's ``a @ b`` at the same sizes;
-* the same Pallas kernel with 128^3 blocks at 1024^3;
+* the same Pallas kernel with 128^3 blocks at 1024^3 and 4096^3 (32768 grid steps);
 * on v6e, XLA and the 512/1024/1024 kernel at 8192^3 (a check of the 1.75 GHz
   clock that kernels/hardware.py assumes for v6e: at that clock no estimate may
   exceed the 918 TFLOP/s peak).
@@ -97,6 +97,7 @@ CASES = [
     case("pallas", 1024, "v5e", GUIDE_BLOCKS),
     case("xla", 1024, "v5e"),
     case("pallas", 1024, "v5e", (128, 128, 128)),
+    case("pallas", 4096, "v5e", (128, 128, 128)),
     case("pallas", 4096, "v5e", GUIDE_BLOCKS),
     case("xla", 4096, "v5e"),
     case("pallas", 8192, "v5e", GUIDE_BLOCKS),
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file to write (default: {DEFAULT_OUT})")
   parser.add_argument("--only", nargs="*", metavar="NAME", help="run only these cases and print them (no file written); "
                       "names: " + ", ".join(c["name"] for c in CASES))
+  parser.add_argument("--resume", action="store_true",
+                      help="keep the cases already in --out (same environment) and compute only the missing ones")
   args = parser.parse_args(argv)
 
   if not kernels.estimator_available():
@@ -178,6 +181,13 @@ def main(argv=None) -> int:
       "environment": environment(),
       "cases": [],
   }
+  if args.resume and args.out.exists():
+    old = json.loads(args.out.read_text(encoding="utf-8"))
+    if old.get("environment") == doc["environment"]:
+      doc["cases"] = old["cases"]
+      doc["date"] = old.get("date", doc["date"])
+      done = {(r["name"], r["generation"]) for r in doc["cases"]}
+      selected = [c for c in selected if (c["name"], c.get("generation", "v5e")) not in done]
   total = time.perf_counter()
   for c in selected:
     print(f"{c['name']:<32s} ...", end=" ", flush=True)
