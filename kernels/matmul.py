@@ -1,9 +1,10 @@
 """GEMM on the MXU: a tiled Pallas TPU matmul with a fused epilogue.
 
-``matmul(a, b)`` computes ``act(a @ b + bias)`` (then optional dropout) in one
-Pallas kernel, with transposes, leading batch dimensions, any shape, a backward
-pass, and an int8 / fp8 quantized variant (:func:`quantized_matmul`).
-:func:`matmul_reference` is the same computation in plain JAX.
+``matmul(a, b)`` computes ``dropout(act(a @ b + bias))`` in one Pallas kernel,
+with in-kernel transposes, leading batch dimensions, any shape and a backward
+pass; :func:`quantized_matmul` does the same for int8 (and fp8) operands with
+per-row / per-column scales. :func:`matmul_reference` and
+:func:`quantized_matmul_reference` are the same computations in plain JAX.
 
 How the kernel works (the facts the notebook explains)
 -----------------------------------------------------
@@ -16,18 +17,34 @@ are batch dimensions). At step ``(i, j, k)`` Pallas has DMA'd the tile
 MXU works on the previous pair (double buffering) -- and the kernel adds
 ``A[i, k] @ B[k, j]`` into an f32 accumulator ``acc[bm, bn]`` in VMEM scratch.
 K is the innermost, sequential ("arbitrary") grid axis, so the output tile stays
-resident across it and is written to HBM once, at the last K step.
+resident across it and is written to HBM once, after the last K step. When K
+fits one block, consecutive steps share the A tile and Pallas skips its DMA.
 
 *Why big blocks.* Each A tile is read ``N/bn`` times and each B tile ``M/bm``
-times, so HBM traffic is ``M*K*N*(1/bn + 1/bm)`` elements plus the output; the
-arithmetic intensity per step is ``~2*bm*bn/(bm+bn)`` FLOP per element loaded. A
-v5e needs ~240 FLOP/byte to be compute bound, so 128x128 tiles are hopelessly
-memory bound and 512x1024 tiles are not. The limit is VMEM: blocks are double
-buffered, so the kernel needs ``2*(bm*bk + bk*bn)*itemsize + 2*bm*bn*out_itemsize
-+ 4*bm*bn`` bytes; :func:`matmul` checks that against the chip before lowering and
-raises ``vmem_limit_bytes`` above the default scoped limit when the blocks need
-it. Per-generation defaults come from compiler-estimate sweeps
-(``tools/tune_matmul.py`` writes ``kernels/data/matmul_blocks.json``).
+times. One step loads ``2*bk*(bm+bn)`` bytes (bf16) and does ``2*bm*bk*bn``
+FLOPs: ``bm*bn/(bm+bn)`` FLOP per byte. The step is compute bound only above the
+chip's ridge point (``peak / HBM bandwidth``): ~240 FLOP/B on v5e, ~560 on v6e.
+128x128 tiles give 64 (hopelessly memory bound), 512x1024 give 341 (enough on
+v5e), and v6e needs 2048x2048 output tiles (1024) at 8192^3. The limits are VMEM
+and the pipeline's ends: blocks are double buffered, and the first step's
+A and B tiles must arrive before the MXU starts and the last output tile is
+written after it stops, so very large blocks leave several microseconds exposed
+on a 2048^3 problem (~95 us on v5e). That is why the best blocks depend on the
+problem size.
+
+*VMEM.* The kernel needs ``2*(bm*bk + bk*bn)*itemsize + 2*bm*bn*out_itemsize``
+for the pipelined blocks, ``4*bm*bn`` for the accumulator and, for packed
+(bf16/int8/fp8) inputs, one more ``bm*bk`` copy of the A tile that Mosaic makes
+for the MXU (measured with AOT compiles). :func:`matmul` checks that against the
+target chip before lowering (:func:`kernels.tiling.vmem_limit`, raising
+:class:`~kernels.errors.VmemOverflowError`) and raises ``vmem_limit_bytes`` above
+the default scoped limit when the blocks need it.
+
+*Block sizes.* :class:`BlockSizes` ``(bm, bk, bn)``. The defaults come from
+``kernels/data/matmul_blocks.json``: per generation and input dtype, a list of
+problems tuned by ``tools/tune_matmul.py`` with the compiler's cost model; a call
+uses the blocks of the nearest tuned problem (:func:`default_block_sizes`). v4
+has no cost model in libtpu: its entries are v5p's, shrunk to v4's 16 MiB VMEM.
 
 *Accumulation.* Always f32 (int32 for int8) in VMEM. The first K step writes the
 accumulator (no zero fill), middle steps add to it, and the last step adds its
@@ -38,9 +55,10 @@ write of the output tile. When K fits one block there is no scratch at all.
 ``y = act(z)`` with ``act`` in ``relu``, ``gelu`` (exact, erf), ``gelu_tanh``,
 ``silu``; then dropout ``y * keep / (1 - rate)``. The keep mask is a counter-based
 hash of ``(seed, row, column)`` (murmur3's 32-bit finaliser, see
-:func:`dropout_keep_mask`): any tile can compute its part of the mask without
+:func:`dropout_keep_mask`): any tile computes its part of the mask without
 state, and the reference and the backward pass regenerate exactly the same mask.
-``row`` counts rows across the flattened batch, so every batch element gets its own mask.
+``row`` counts rows across the flattened batch, so every batch element gets its
+own mask. The seed is drawn from ``dropout_key``.
 
 *Transposes* never touch HBM. ``transpose_a`` makes A's block ``(bk, bm)`` with
 index map ``(k, i)`` instead of ``(bm, bk)`` / ``(i, k)``, and the in-kernel
@@ -49,12 +67,17 @@ takes a transposed right operand natively; a transposed left operand costs a
 transpose of the tile in VMEM (the XLU), not a copy in HBM.
 
 *Any shape.* Nothing is padded in HBM. A block larger than a dimension becomes
-the whole dimension (allowed by Mosaic's tiling rule whatever its size). Edge
-blocks in M and N are partial: Pallas reads what exists, the rows/columns beyond
-the edge hold stale VMEM, and only the valid part of the output tile is written,
-so they cannot leak. In K a partial last block would add garbage into real
+the whole dimension (allowed by Mosaic's tiling rule whatever its size); a few
+rows (decode) become one packed sublane tile (16 bf16 rows). Edge blocks in M
+and N are partial: Pallas reads what exists, the rows/columns beyond the edge
+hold stale VMEM, and only the valid part of the output tile is written, so they
+cannot leak. In K a partial last block would add garbage (maybe NaN) into real
 outputs, so the last K step zeroes the out-of-range columns of A and rows of B
-(a select, only on that step, only when ``K % bk != 0``).
+(a select, only on that step, only when ``K % bk != 0``). One cost remains
+outside the kernel: XLA:TPU lays out an array whose minor dimension is not a
+multiple of 128 (e.g. ``[3000, 777]``) column-major by default, and a Pallas
+call wants row-major operands, so XLA inserts a relayout copy for such inputs
+and outputs when they come straight from the caller.
 
 *Batch dimensions.* Leading dimensions broadcast like ``jnp.matmul``. When B has
 none and A is not transposed, the batch is folded into M (a free reshape), so the
@@ -64,7 +87,7 @@ map turns the flat batch index into its own (broadcast dimensions stay at 0).
 
 *Megacore.* M, N (and batch) grid axes are "parallel", K is "arbitrary"; on v4
 and v5p (two TensorCores per device) Mosaic splits the parallel axes between the
-cores.
+cores (the v5p estimate halves; see the tests).
 
 *Backward.* ``custom_vjp``: the forward saves the pre-activation ``z`` (a second
 output of the same kernel, in ``out_dtype``) when there is an activation.
@@ -73,16 +96,32 @@ second matmul (``2*M*N*K`` FLOPs), so saving wins whenever K is more than a few
 dozen. ``dz = act'(z) * keep/(1-rate) * dy`` is elementwise (XLA), then
 ``dA = dz @ B^T`` and ``dB = A^T @ dz`` run on this same kernel with transpose
 flags -- again with no transposed copy -- and ``dbias = sum(dz)`` over rows.
+Gradients over broadcast batch dimensions are summed in f32.
+
+*Quantized.* int8 x int8 accumulates exactly in int32; fp8 (``float8_e4m3fn``,
+``float8_e5m2``) in f32. Scales are f32 blocks ``(bm, 1)`` and ``(1, bn)`` applied
+in the epilogue. Mosaic lowers int8 and fp8 dots on v5e, v5p and v6e but not on
+v4 (:data:`MXU_DTYPES`, from AOT compiles); only v6e has an fp8 MXU rate.
 
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the
-Pallas kernel when lowered for TPU and :func:`matmul_reference` (XLA) elsewhere.
-No shape is routed to XLA by size: see ``PREFER_XLA`` below for the rule and the
-estimates behind it.
+Pallas kernel when lowered for TPU and the reference (XLA) elsewhere. No shape is
+routed to XLA by size (``PREFER_XLA``): in compiler estimates the kernel matches
+XLA on tiny squares (128^3-512^3) and matches or beats it on skinny shapes once
+both read their operands from HBM (see *Estimates*).
 
 *Precision.* For f32 inputs ``precision=None``/``DEFAULT`` uses Mosaic's default
-f32 matmul and ``HIGHEST`` the full-f32 contraction. Mosaic has no 3-pass bf16
-mode, so ``HIGH`` is served at ``HIGHEST`` (never less precise than asked).
-bf16, int8 and fp8 inputs ignore ``precision``.
+f32 matmul (bf16 passes, the speed of bf16) and ``HIGHEST`` the full-f32
+contraction. Mosaic has no 3-pass mode, so ``HIGH`` is served at ``HIGHEST``
+(never less precise than asked). bf16, int8 and fp8 inputs ignore ``precision``.
+
+*libtpu's cost model* (``kernels.estimate_tpu``) runs an LLO type check that the
+plain compiler does not; two code shapes that compile fine abort it, so the
+kernel avoids them: the K-tail select runs on 32-bit values (fp8 through its
+int8 bits), and decode blocks are whole 16-row bf16 tiles.
+
+Estimates
+---------
+ESTIMATES_PLACEHOLDER
 """
 from __future__ import annotations
 
@@ -713,10 +752,13 @@ def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, in
   return f(a3, b3, bias, seed).reshape(p.batch + (p.m, p.n))
 
 
-# Backend choice for implementation=None. The kernel serves every shape on TPU: the
-# compiler estimates (see tools/tune_matmul.py and the report in the module's notebook)
-# put it within a few percent of XLA's dot down to decode shapes, so no size threshold
-# sends work to XLA. Off TPU, dispatch runs matmul_reference (XLA) anyway.
+# Backend choice for implementation=None: a reason to send work to XLA, or None. The
+# kernel serves every shape on TPU. In compiler estimates it ties XLA on tiny squares
+# (128^3 to 512^3 on v5e and v6e) and ties or beats it on skinny and decode shapes when
+# both read their operands from HBM (XLA's default estimate is faster there only by
+# cross-program prefetch, a copy of one operand into VMEM that the cost model does not
+# charge; see the module docstring), so no size threshold pays. Off TPU, dispatch
+# runs the reference (XLA) anyway.
 PREFER_XLA = None
 
 
