@@ -191,6 +191,12 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 QUANT_DTYPES = (jnp.dtype(jnp.int8),) + FP8_DTYPES
 
+
+def _acc_dtype(dtype):
+  """The accumulator: exact int32 for int8 products, f32 for everything else."""
+  return jnp.int32 if dtype == jnp.int8 else jnp.float32
+
+
 # ---------------------------------------------------------------------------------
 # Block sizes
 # ---------------------------------------------------------------------------------
@@ -465,7 +471,7 @@ def _reference(a, b, bias, seed, a_scale, b_scale, *, p: _Problem):
     x = x if own == batch else jnp.broadcast_to(x.reshape(own + x.shape[-2:]), batch + x.shape[-2:])
     return x.reshape((math.prod(batch),) + x.shape[-2:])
   a3, b3 = flat(a, p.a_batch), flat(b, p.b_batch)
-  acc_type = jnp.int32 if p.dtype == jnp.int8 else jnp.float32
+  acc_type = _acc_dtype(p.dtype)
   acc = lax.dot_general(a3, b3, _dot_dims(3, 3, p.transpose_a, p.transpose_b), precision=p.precision,
                         preferred_element_type=acc_type)
   nb = acc.shape[0]
@@ -527,7 +533,7 @@ def _plan(p: _Problem, blocks: BlockSizes | None, *, save_z: bool) -> _Plan:
     raise TilingError("block_sizes", blocks, f"{e.rule} (A block {a_block} of {a_shape}, "
                       f"B block {b_block} of {b_shape}, output block {(bm, bn)})") from None
   nk = tiling.cdiv(p.k, bk)
-  acc_dtype = jnp.int32 if p.dtype == jnp.int8 else jnp.float32
+  acc_dtype = _acc_dtype(p.dtype)
   outs = [((bm, bn), p.out_dtype)] * (2 if save_z else 1)
   small = [((1, bn), jnp.float32)] if p.has_bias else []
   if p.quantized:
@@ -588,7 +594,7 @@ def _kernel(*refs, p: _Problem, plan: _Plan):
   ids = [pl.program_id(d) for d in range(len(plan.grid))]
   g, i, j, k = ids if plan.nbatch > 1 else [0] + ids
   nk = plan.grid[-1]
-  acc_dtype = jnp.int32 if p.dtype == jnp.int8 else jnp.float32
+  acc_dtype = _acc_dtype(p.dtype)
   dims = _dot_dims(2, 2, p.transpose_a, p.transpose_b)
 
   def product(masked: bool):
@@ -638,7 +644,9 @@ def _pallas_matmul(a, b, bias, seed, a_scale, b_scale, *, p: _Problem, plan: _Pl
   batched = plan.nbatch > 1
   full = p.batch
 
-  def ids(gids):  # grid ids -> (g, i, j, k); ids arrive after any scalar-prefetch refs
+  # Index maps get the grid indices, then the scalar-prefetch refs (the dropout seed): keep the
+  # first len(grid) and name them (g, i, j, k), g = 0 without a batch axis.
+  def ids(gids):
     return gids if batched else (0,) + tuple(gids)
 
   def a_map(*gids):
@@ -683,7 +691,7 @@ def _pallas_matmul(a, b, bias, seed, a_scale, b_scale, *, p: _Problem, plan: _Pl
   if plan.save_z:
     out_specs.append(out_block)
     out_shapes.append(out_shape)
-  acc_dtype = jnp.int32 if p.dtype == jnp.int8 else jnp.float32
+  acc_dtype = _acc_dtype(p.dtype)
   scratch = [pltpu.VMEM((bm, bn), acc_dtype)] if plan.grid[-1] > 1 else []
 
   semantics = ("parallel",) * (len(plan.grid) - 1) + ("arbitrary",)
@@ -738,7 +746,6 @@ def _sum_to_batch(x, full, own):
 def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, interpret):
   """The differentiable Pallas implementation (custom_vjp around one pallas_call)."""
   a3, b3 = _as3d(a, p.a_batch), _as3d(b, p.b_batch)
-  nb = math.prod(p.batch)
 
   def forward(a3, b3, bias, seed, save_z):
     plan = _plan(p, blocks, save_z=save_z)
@@ -786,7 +793,6 @@ def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, in
     return da, db, dbias, dseed
 
   f.defvjp(f_fwd, f_bwd)
-  del nb
   return f(a3, b3, bias, seed).reshape(p.batch + (p.m, p.n))
 
 
