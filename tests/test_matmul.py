@@ -492,7 +492,7 @@ def test_aot_transposes_batch_and_backward():
   # copy op in HBM, forward or backward.
   for ta, tb in itertools.product([False, True], repeat=2):
     comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b, transpose_a=ta, transpose_b=tb, activation="relu"),
-                                   sds((4, 512, 512), bf16), sds((512, 1024), bf16) if not tb else sds((1024, 512), bf16))
+                                   sds((4, 512, 512), bf16), sds((1024, 512) if tb else (512, 1024), bf16))
     assert _hlo_ops(comp.hlo) <= {"parameter", "bitcast", "custom-call", "reshape"}, _hlo_ops(comp.hlo)
   grad = jax.grad(lambda a, b, c: matmul(a, b, bias=c, activation="silu", transpose_b=True).astype(jnp.float32).sum(),
                   argnums=(0, 1, 2))
@@ -540,7 +540,8 @@ def test_aot_quantized(generation):
     if jnp.dtype(dtype).name in mm.MXU_DTYPES[generation]:
       assert "tpu_custom_call" in kernels.compile_for_tpu(q, *args, generation=generation).hlo
     else:  # v4: Mosaic has no int8/fp8 MXU path; Pallas refuses with a KernelError naming dtype and chip
-      with pytest.raises(kernels.KernelError, match=f"{jnp.dtype(dtype).name} matmul does not lower on TPU {generation}"):
+      rule = f"{jnp.dtype(dtype).name} matmul does not lower on TPU {generation}"
+      with pytest.raises(kernels.KernelError, match=rule):
         kernels.compile_for_tpu(q, *args, generation=generation)
 
 
