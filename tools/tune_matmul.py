@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -45,7 +46,8 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels import matmul as mm  # noqa: E402
+# The module, not the function kernels/__init__.py may export under the same name.
+mm = importlib.import_module("kernels.matmul")
 from kernels.errors import KernelError  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
