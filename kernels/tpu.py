@@ -6,11 +6,14 @@
 * :func:`estimate_tpu` reads the compiler's static cost model: with
   ``--xla_jf_dump_static_llo_profile_to`` set before libtpu loads (``import kernels``
   does it on hosts without a TPU), every compile writes ``estimated_cycles`` per op.
-  Cycles divided by the chip clock give a **compiler estimate** of the run time:
-  5-20% optimistic in absolute terms, but faithful in kernel-versus-kernel ratios
-  (see the calibration notebook). It simulates control flow that depends on program
-  ids; it does not simulate control flow that depends on data (scalar-prefetched
-  tables), so any estimate faster than the roofline is flagged invalid.
+  Cycles divided by the chip clock give a **compiler estimate** of the run time. For
+  compute-bound matmuls it is 4-20% optimistic in absolute terms but faithful in
+  kernel-versus-kernel ratios (see the calibration notebook). Its HBM is faster than
+  the published bandwidth (a plain copy comes out at about 2x on v5e and v6e), so
+  memory-bound programs are often estimated faster than the roofline; compare those
+  with each other, not with the roofline. It simulates control flow that depends on
+  program ids, not control flow that depends on data (scalar-prefetched tables).
+  Any estimate faster than the roofline is flagged invalid.
 """
 from __future__ import annotations
 
