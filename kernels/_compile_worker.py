@@ -1,12 +1,16 @@
-"""Child process for :func:`kernels.tpu.compile_for_tpu`: compiles an exported program.
+"""Child process for :mod:`kernels.tpu`: compiles (or estimates) an exported program.
 
-Usage: ``python -m kernels._compile_worker FILE GENERATION``; prints one JSON line.
+Usage: ``python -m kernels._compile_worker FILE GENERATION [compile|estimate]``;
+prints one JSON line. ``compile`` runs without the static profiler (TPU v4, which
+the profiler cannot model); ``estimate`` runs with it and also returns the cost
+profile, so a profiler crash ends this process, not the caller's.
 """
 import json
 import os
 import sys
 
-os.environ["KERNELS_STATIC_PROFILE"] = "0"
+MODE = sys.argv[3] if len(sys.argv) > 3 else "compile"
+os.environ["KERNELS_STATIC_PROFILE"] = "1" if MODE == "estimate" else "0"
 
 
 def main(path: str, generation: str) -> None:
@@ -24,7 +28,10 @@ def main(path: str, generation: str) -> None:
     print(json.dumps({"ok": False, "message": str(e).split(": ", 1)[-1].replace(f"TPU {generation} compile failed: ", ""),
                       "kind": getattr(e, "kind", "xla"), "details": e.details}))
     return
-  print(json.dumps({"ok": True, "hlo": comp.hlo, "vmem_bytes": comp.vmem_bytes, "memory": comp.memory}))
+  out = {"ok": True, "hlo": comp.hlo, "vmem_bytes": comp.vmem_bytes, "memory": comp.memory}
+  if MODE == "estimate":
+    out["ops"] = tpu._profiles.get(tpu._profile_key(generation, comp.hlo), {})
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":

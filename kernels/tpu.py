@@ -171,8 +171,9 @@ def _readable(e: Exception, generation: str) -> CompileError:
 PROFILED_GENERATIONS = ("v5e", "v5p", "v6e")
 
 
-def _compile_elsewhere(f, args, chip: Chip) -> TpuCompilation:
-  """Exports the program for TPU here, then compiles it in a child process without the profiler."""
+def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile") -> TpuCompilation:
+  """Exports the program for TPU here, then compiles it in a child process: without the
+  profiler (``mode="compile"``), or with it (``"estimate"``; the profile lands in ``_profiles``)."""
   import subprocess
   import sys
   from jax import export
@@ -187,21 +188,25 @@ def _compile_elsewhere(f, args, chip: Chip) -> TpuCompilation:
       raise _readable(e, chip.name) from e
   with tempfile.NamedTemporaryFile(suffix=".jaxexport", delete=False) as fh:
     fh.write(blob)
-  env = dict(os.environ, KERNELS_STATIC_PROFILE="0", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, KERNELS_STATIC_PROFILE="1" if mode == "estimate" else "0", JAX_PLATFORMS="cpu")
   try:
-    proc = subprocess.run([sys.executable, "-m", "kernels._compile_worker", fh.name, chip.name],
-                          capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "kernels._compile_worker", fh.name, chip.name, mode],
+                          capture_output=True, text=True, env=env, timeout=3600)
   finally:
     os.remove(fh.name)
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
   if not lines:
-    raise RuntimeError(f"TPU {chip.name} compile worker failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    what = "static cost model" if mode == "estimate" else "compile worker"
+    raise RuntimeError(f"TPU {chip.name} {what} failed in its child process (exit {proc.returncode}): "
+                       f"{proc.stderr[-2000:]}")
   import json
   out = json.loads(lines[-1])
   if not out["ok"]:
     err = CompileError(out["message"], generation=chip.name, details=out.get("details", ""))
     err.kind = out.get("kind", "xla")
     raise err
+  if out.get("ops"):
+    _profiles[_profile_key(chip.name, out["hlo"])] = {k: int(v) for k, v in out["ops"].items()}
   return TpuCompilation(chip.name, None, out["hlo"], out["vmem_bytes"], out["memory"], time.perf_counter() - t0)
 
 
@@ -321,15 +326,21 @@ def estimator_available() -> bool:
 
 
 def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | None = None,
-                 bytes_accessed: float | None = None, dtype="bfloat16", **kwargs) -> Estimate:
+                 bytes_accessed: float | None = None, dtype="bfloat16", isolate: bool = False,
+                 **kwargs) -> Estimate:
   """The TPU compiler's static estimate of ``fn(*args, **kwargs)`` on ``generation``.
 
   With ``flops`` and ``bytes_accessed`` the result carries the roofline, the fraction
   of it reached, and ``valid=False`` if the estimate is impossibly fast. The cost of
   estimating grows with the number of grid steps: keep grids in the low thousands.
+
+  ``isolate=True`` exports the program and estimates it in a child process. libtpu's
+  cost model aborts the whole process on a few programs; isolated, that becomes a
+  ``RuntimeError`` here. It also returns the child's memory to the system afterwards,
+  which matters for large problems (an 8192^3 matmul takes several GB).
   """
   folder = _env.STATIC_PROFILE_DIR
-  if folder is None:
+  if folder is None and not isolate:
     raise EstimatorUnavailableError(
         "the TPU compiler's static cost model is off in this process: import kernels before JAX "
         "initialises a TPU backend, and on a TPU host set KERNELS_STATIC_PROFILE=1 first")
@@ -338,12 +349,20 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         f"the TPU compiler's cost model cannot model TPU {chip.name} (libtpu: 'Dma latency model is only "
         f"supported on' {', '.join(PROFILED_GENERATIONS)}); compile_for_tpu still compiles for it")
-  comp = compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
+  if isolate:
+    f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
+    comp = _compile_elsewhere(f, args, chip, mode="estimate")
+  else:
+    comp = compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
   ops = _profiles.get(_profile_key(chip.name, comp.hlo))
   if not ops:
     raise EstimatorUnavailableError(
         f"libtpu wrote no static profile to {folder}: it was probably loaded before kernels set "
         "LIBTPU_INIT_ARGS (import kernels first, in a fresh process)")
+  if sum(ops.values()) <= 0:
+    raise EstimatorUnavailableError(
+        f"the static profile of this program on TPU {chip.name} adds up to 0 cycles "
+        f"(ops: {', '.join(sorted(ops)[:5])}): the cost model did not model it, so there is no estimate")
   rl = roofline(flops, bytes_accessed, chip, dtype) if flops is not None and bytes_accessed is not None else None
   return Estimate(chip.name, sum(ops.values()), ops, chip.clock_hz, rl, comp.compile_seconds, comp.vmem_bytes)
 

@@ -113,3 +113,11 @@ def test_estimate_after_compile_of_the_same_program():
   comp = kernels.compile_for_tpu(f, *args)
   e = kernels.estimate_tpu(f, *args)
   assert e.cycles > 0 and comp.hlo
+
+
+def test_isolated_estimate_matches_in_process():
+  # isolate=True estimates in a child process (a profiler crash cannot take this one down).
+  args = (sds(512, 512), sds(512, 512))
+  here = kernels.estimate_tpu(toy.matmul, *args, generation="v5e", bm=256, bk=256, bn=256)
+  child = kernels.estimate_tpu(toy.matmul, *args, generation="v5e", bm=256, bk=256, bn=256, isolate=True)
+  assert child.cycles == here.cycles > 0 and child.label == here.label
