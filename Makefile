@@ -38,11 +38,15 @@ sync-check: $(STAMP)
 	$(BIN)/python tools/site.py sync-check
 
 # --- tests ----------------------------------------------------------------
+# Two workers (this project's CI machines have two cores); notebooks stay on one worker.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -m "not notebook"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not notebook"
 
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest -m notebook

@@ -120,6 +120,7 @@ def _describe_failure(path: Path, notebook, index: int | None, err: Exception) -
 
 
 @pytest.mark.notebook
+@pytest.mark.xdist_group("notebooks")  # one worker writes the shared jupyter-cache (sqlite)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook(path: Path, monkeypatch):
     from jupyter_cache import get_cache
