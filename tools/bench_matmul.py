@@ -1,0 +1,221 @@
+"""Compiler estimates for the GEMM notebook that are too slow to compute live.
+
+``tools/tune_matmul.py`` stores the tuned blocks and, beside each tuned problem, the
+estimates of the kernel and of XLA. The notebook also needs comparisons that are not
+part of tuning; this script computes them and writes
+``kernels/data/matmul_bench.json``:
+
+* ``jax_pallas``: ``jax.experimental.pallas.ops.tpu.matmul`` (JAX's example kernel)
+  at the block shape the JAX Pallas matmul guide uses, ``bm, bk, bn = 512, 1024, 1024``,
+  and this kernel at the same blocks, for square bf16 problems;
+* ``skinny``: this kernel (default blocks) and XLA's ``a @ b`` with and without
+  cross-program prefetch on skinny shapes (``16x8192x8192``, decode-like, and
+  ``8192x8192x1024``);
+* ``epilogue``: ``matmul(a, b, bias=bias, activation=...)`` against XLA's
+  ``gelu(a @ b + bias)`` (f32 sum, cast once), with the exact (erf) gelu and its tanh
+  approximation, and the plain matmul of each;
+* ``sweep``: the kernel at a grid of ``(bm, bk, bn)`` blocks on one problem (the
+  notebook's heatmap).
+
+Every number is a **compiler estimate** (libtpu's static cost model through
+``kernels.estimate_tpu``), never a measurement. Each estimate runs in a child process
+(libtpu's cost model aborts the process on some programs, and an 8192^3 estimate takes
+several GB that the child returns). Results are saved after every estimate, so an
+interrupted run resumes where it stopped (``--force`` recomputes).
+
+Usage::
+
+  flock /tmp/tpu-heavy.lock python tools/bench_matmul.py            # everything missing
+  flock /tmp/tpu-heavy.lock python tools/bench_matmul.py --only sweep skinny
+  python tools/bench_matmul.py --list                               # what would run
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+mm = importlib.import_module("kernels.matmul")  # the module, not the exported function
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
+                   "matmul_bench.json")
+GUIDE_BLOCKS = (512, 1024, 1024)  # the JAX Pallas TPU matmul guide's bf16 choice (bm, bk, bn)
+NO_CROSS_PROGRAM_PREFETCH = "--xla_max_cross_program_prefetches=0"
+
+# Sweep: bm x bn at a few bk on 2048^3, v5e (each estimate takes seconds there).
+SWEEP_PROBLEM = (2048, 2048, 2048)
+SWEEP_GENERATION = "v5e"
+SWEEP_BM = (128, 256, 512, 1024, 2048)
+SWEEP_BN = (128, 256, 512, 1024, 2048)
+SWEEP_BK = (512, 1024, 2048)
+
+
+def cases() -> list[dict]:
+  """Every estimate the notebook needs, cheapest first (8192^3 JAX Pallas on v6e takes ~15 min)."""
+  out = []
+
+  def add(group, gen, kind, m, k, n, blocks=None, flags=""):
+    key = (f"{group}/{gen}/{kind}/{m}x{k}x{n}" + (f"/{'x'.join(map(str, blocks))}" if blocks else "")
+           + ("/no_cross_program_prefetch" if flags else ""))
+    out.append({"key": key, "group": group, "generation": gen, "kind": kind, "m": m, "k": k, "n": n,
+                "blocks": list(blocks) if blocks else None, "libtpu_flags": flags})
+
+  for gen, sizes in (("v5e", (1024, 2048, 4096)), ("v6e", (1024, 2048, 4096)), ("v5p", (1024, 2048, 4096))):
+    for s in sizes:
+      add("jax_pallas", gen, "jax_pallas", s, s, s, GUIDE_BLOCKS)
+      add("jax_pallas", gen, "ours", s, s, s, GUIDE_BLOCKS)
+  for gen in ("v5e", "v6e"):
+    for (m, k, n) in ((16, 8192, 8192), (8192, 8192, 1024)):
+      add("skinny", gen, "ours", m, k, n)
+      add("skinny", gen, "xla", m, k, n)
+      add("skinny", gen, "xla", m, k, n, flags=NO_CROSS_PROGRAM_PREFETCH)
+  for gen in ("v5e", "v6e"):
+    for s in (2048, 4096):
+      for kind in ("ours", "xla", "ours_bias_gelu", "xla_bias_gelu", "ours_bias_gelu_tanh", "xla_bias_gelu_tanh"):
+        add("epilogue", gen, kind, s, s, s)
+  for bk in SWEEP_BK:
+    for bm in SWEEP_BM:
+      for bn in SWEEP_BN:
+        add("sweep", SWEEP_GENERATION, "ours", *SWEEP_PROBLEM, (bm, bk, bn))
+  add("jax_pallas", "v5e", "jax_pallas", 8192, 8192, 8192, GUIDE_BLOCKS)
+  add("jax_pallas", "v6e", "jax_pallas", 8192, 8192, 8192, GUIDE_BLOCKS)
+  return out
+
+
+def _program(kind, gen, m, k, n, blocks):
+  """(function, argument specs, blocks used) of one case, all bf16."""
+  bf16 = jnp.bfloat16
+  a, b, bias = (jax.ShapeDtypeStruct(s, bf16) for s in ((m, k), (k, n), (n,)))
+  act = "gelu_tanh" if kind.endswith("gelu_tanh") else "gelu"
+  if kind.startswith("ours"):
+    chosen = mm.BlockSizes(*blocks) if blocks else mm.default_block_sizes(gen, bf16, m, k, n)
+    used = mm.fit_block_sizes(chosen, m, k, n, bf16)
+    if kind == "ours":
+      return (lambda a, b: mm.matmul(a, b, block_sizes=used)), (a, b), used
+    return (lambda a, b, c: mm.matmul(a, b, bias=c, activation=act, block_sizes=used)), (a, b, bias), used
+  if kind == "xla":
+    return (lambda a, b: a @ b), (a, b), None
+  if kind.startswith("xla_bias_gelu"):  # the same computation as the kernel's: f32 sum, bias and gelu, one cast
+    def fn(a, b, c):
+      z = jnp.dot(a, b, preferred_element_type=jnp.float32) + c.astype(jnp.float32)
+      return jax.nn.gelu(z, approximate=act == "gelu_tanh").astype(bf16)
+    return fn, (a, b, bias), None
+  if kind == "jax_pallas":
+    from jax.experimental.pallas.ops.tpu import matmul as jax_mm
+    bm, bk, bn = blocks
+    return (lambda a, b: jax_mm.matmul(a, b, block_shape=(bm, bn), block_k=bk)), (a, b), mm.BlockSizes(*blocks)
+  raise ValueError(kind)
+
+
+def estimate_one(case: dict) -> dict:
+  """Compiler estimate of one case in this process (the child)."""
+  gen, m, k, n = case["generation"], case["m"], case["k"], case["n"]
+  fn, args, used = _program(case["kind"], gen, m, k, n, case["blocks"])
+  flops, nbytes = kernels.matmul_cost(m, k, n)
+  t0 = time.time()
+  e = kernels.estimate_tpu(fn, *args, generation=gen, flops=flops, bytes_accessed=nbytes)
+  out = {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
+         "valid": e.valid, "wall_seconds": round(time.time() - t0, 1)}
+  if used is not None:
+    out["blocks_used"] = [used.bm, used.bk, used.bn]
+  out["ops"] = e.ops  # cycles per HLO op: how many kernels (fusions) the program has
+  return out
+
+
+def estimate_isolated(case: dict) -> dict:
+  env = dict(os.environ)
+  if case["libtpu_flags"]:  # kernels._env keeps these and appends the cost model's flag
+    env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " " + case["libtpu_flags"]).strip()
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(case)],
+                        capture_output=True, text=True, timeout=3600, env=env)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if lines:
+    return json.loads(lines[-1])
+  tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
+  return {"error": "the compiler or its cost model crashed: " + (tail[0][:200] if tail else f"exit {proc.returncode}")}
+
+
+def _load(path):
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as fh:
+      return json.load(fh)
+  return {}
+
+
+def _save(table, path):
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as fh:
+    json.dump(table, fh, indent=1)
+    fh.write("\n")
+  os.replace(tmp, path)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=OUT)
+  ap.add_argument("--only", nargs="*", help="groups to run: jax_pallas skinny epilogue sweep")
+  ap.add_argument("--force", action="store_true", help="recompute cases already stored")
+  ap.add_argument("--skip-8192", action="store_true", help="leave out the 8192^3 cases (minutes and GBs each)")
+  ap.add_argument("--list", action="store_true", help="print the cases that would run and exit")
+  ap.add_argument("--one", help="estimate one case given as JSON and print the result (used internally)")
+  args = ap.parse_args(argv)
+  if args.one:
+    try:
+      r = estimate_one(json.loads(args.one))
+    except Exception as e:  # noqa: BLE001 - reported to the parent as data
+      r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    print(json.dumps(r), flush=True)
+    return
+
+  table = _load(args.out)
+  table.update({
+      "description": ("Compiler estimates (libtpu's static cost model via kernels.estimate_tpu) of bf16 matmuls "
+                      "for the GEMM notebook: JAX's Pallas matmul at the guide's blocks, skinny shapes against "
+                      "XLA with and without cross-program prefetch, the fused bias+gelu epilogue against XLA, "
+                      "and a block-size sweep. Estimates, not measurements. Computed by tools/bench_matmul.py."),
+      "generated_by": "tools/bench_matmul.py",
+      "environment": {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu"),
+                      "python": platform.python_version()},
+      "sweep": {"generation": SWEEP_GENERATION, "problem": list(SWEEP_PROBLEM), "bm": list(SWEEP_BM),
+                "bk": list(SWEEP_BK), "bn": list(SWEEP_BN)},
+  })
+  results = table.setdefault("results", {})
+  todo = [c for c in cases() if (not args.only or c["group"] in args.only)
+          and (args.force or c["key"] not in results or "error" in results[c["key"]])
+          and not (args.skip_8192 and c["m"] == 8192 and c["k"] == 8192 and c["n"] == 8192)]
+  if args.list:
+    for c in todo:
+      print(c["key"], c["libtpu_flags"])
+    return
+  if not kernels.estimator_available():
+    sys.exit("the TPU compiler's cost model is unavailable (needs jax[tpu]; import kernels before jax)")
+  t_all = time.time()
+  for i, c in enumerate(todo):
+    t0 = time.time()
+    r = estimate_isolated(c)
+    key = c["key"]
+    results[key] = {**{f: c[f] for f in ("group", "generation", "kind", "m", "k", "n", "blocks")},
+                    "cross_program_prefetch": not c["libtpu_flags"], **r,
+                    "label": f"compiler estimate, TPU {c['generation']}",
+                    "date": datetime.date.today().isoformat()}
+    _save(table, args.out)
+    print(f"[{i + 1}/{len(todo)}] {key}: " + (f"{r['us']:.1f} us" if "us" in r else r["error"])
+          + f" ({time.time() - t0:.0f} s)", flush=True)
+  print(f"done in {time.time() - t_all:.0f} s")
+
+
+if __name__ == "__main__":
+  main()
