@@ -7,7 +7,7 @@ per-row / per-column scales. :func:`matmul_reference` and
 :func:`quantized_matmul_reference` are the same computations in plain JAX.
 
 How the kernel works (the facts the notebook explains)
------------------------------------------------------
+------------------------------------------------------
 
 *Tiling.* The MXU multiplies tiles held in VMEM; HBM holds the operands. The
 output ``C[M, N]`` is cut into ``bm x bn`` tiles and the contraction into ``bk``
