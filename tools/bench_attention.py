@@ -1,0 +1,495 @@
+"""Compiler estimates of attention on TPU: ours against XLA and JAX's Pallas kernels.
+
+For each case (sequence length, head dim, causal or not, forward or forward+backward,
+GQA, sliding window) and each TPU generation in ``--generations`` it estimates:
+
+* ``xla``: ``jax.nn.dot_product_attention(..., implementation="xla")``;
+* ``jax_flash``: ``jax.experimental.pallas.ops.tpu.flash_attention`` at its default
+  block sizes and at a few others (``--tune``);
+* ``splash``: the multi-head splash attention kernel
+  (``jax.experimental.pallas.ops.tpu.splash_attention``, ``CausalMask`` / ``FullMask`` /
+  ``LocalMask``) at its default block sizes and a few others;
+* ``ours``: ``kernels.flash_attention`` at its defaults (when the module exists).
+
+Every number is a **compiler estimate** (``kernels.estimate_tpu``), never a
+measurement. Each peer gets its inputs in its own native layout (XLA and ours:
+``[batch, seq, heads, head_dim]``; JAX's flash: ``[batch, heads, seq, head_dim]``;
+splash: ``[heads, seq, head_dim]``, batch 1), so no layout change is timed. The Pallas
+peers have no grouped-query attention: for the GQA case K and V are repeated to the
+query heads inside the timed function, as a user of those kernels would do. JAX's
+flash kernel has no sliding window, so it is absent from that case. Splash does not
+scale the logits: it gets q already multiplied by ``1/sqrt(D)``, and that elementwise
+pass is not timed (scaling inside the timed function lets XLA place a small q in VMEM,
+and libtpu's cost model aborts on the kernel's VMEM-to-VMEM copy).
+
+Conventions (stored in the JSON):
+
+* FLOPs: ``4 * B * H * D * pairs`` for the forward pass, where ``pairs`` is the number
+  of (query, key) pairs attended: ``S^2`` without a mask, ``S (S + 1) / 2`` causal,
+  ``sum_i min(i + 1, W)`` for a causal sliding window of ``W`` keys. The backward pass
+  counts 2.5x the forward (5 matmuls of the same size against 2, the usual convention),
+  so forward+backward = 3.5x forward.
+* Bytes: each tensor read or written once: forward reads q, k, v and writes o;
+  forward+backward adds reading q, k, v, o, dO and writing dq, dk, dv.
+* Forward+backward is ``jax.vjp`` of the attention applied to a cotangent dO passed as
+  an input (the gradient of ``sum(out * dO)`` with respect to q, k, v).
+
+Each estimate runs in a child process (libtpu's cost model can abort a process) and
+takes ``/tmp/tpu-heavy.lock`` while it runs, so other helpers' heavy jobs interleave.
+Results are written to ``kernels/data/attention_bench.json`` after every estimate; a
+rerun skips what is stored (``--force`` redoes it). Work is ordered by importance: the
+target case (causal forward, S=8192, D=128) first, then the rest.
+
+Usage::
+
+  python tools/bench_attention.py                          # everything, in order of importance
+  python tools/bench_attention.py --only target            # just the S=8192 D=128 causal forward
+  python tools/bench_attention.py --peers ours             # re-estimate ours only
+  python tools/bench_attention.py --memory                 # temp HBM of XLA vs flash, S=1k..16k (compile only)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import fcntl
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "kernels", "data", "attention_bench.json")
+LOCK = "/tmp/tpu-heavy.lock"
+GENERATIONS = ("v5e", "v6e")
+PEERS = ("xla", "jax_flash", "splash", "ours")
+DTYPE = "bfloat16"
+
+# Heads per shape: batch 1 and few heads keep the Pallas grids in the low thousands (the
+# estimate's cost grows with grid steps); the head count only scales the work.
+HEADS = {64: 8, 128: 8}
+
+
+# --- cases ------------------------------------------------------------------------
+
+def case(s, d, causal, bwd, heads=None, kv_heads=None, window=None, batch=1):
+  h = heads or HEADS[d]
+  return {"batch": batch, "seq": s, "heads": h, "kv_heads": kv_heads or h, "head_dim": d,
+          "causal": causal, "window": window, "backward": bwd}
+
+
+def case_key(c) -> str:
+  k = f"{'fwdbwd' if c['backward'] else 'fwd'}_{'causal' if c['causal'] else 'full'}_S{c['seq']}_D{c['head_dim']}"
+  k += f"_B{c['batch']}_H{c['heads']}"
+  if c["kv_heads"] != c["heads"]:
+    k += f"_KV{c['kv_heads']}"
+  if c["window"]:
+    k += f"_W{c['window']}"
+  return k
+
+
+def cases_in_order():
+  """All cases, most important first."""
+  out = [case(8192, 128, True, False)]                                   # the target
+  out += [case(8192, 128, False, False), case(8192, 128, True, True)]
+  for s in (4096, 16384, 2048, 1024):
+    out += [case(s, 128, True, False), case(s, 128, False, False)]
+  out += [case(4096, 128, True, False, heads=32, kv_heads=8), case(8192, 128, True, False, window=1024)]
+  for s in (4096, 2048, 1024, 16384):
+    out += [case(s, 128, True, True)]
+  for s in (8192, 4096, 2048, 1024, 16384):
+    out += [case(s, 128, False, True)]
+  for s in (8192, 4096, 2048, 1024, 16384):
+    out += [case(s, 64, True, False), case(s, 64, False, False)]
+  out += [case(4096, 128, True, True, heads=32, kv_heads=8), case(8192, 128, True, True, window=1024)]
+  for s in (8192, 4096, 2048, 1024, 16384):
+    out += [case(s, 64, True, True), case(s, 64, False, True)]
+  return out
+
+
+def pairs(s, causal, window) -> int:
+  """(query, key) pairs attended with q_len = kv_len = s."""
+  if window:
+    w = min(window, s)  # causal window of w keys, the query's own included
+    return w * (w + 1) // 2 + (s - w) * w
+  return s * (s + 1) // 2 if causal else s * s
+
+
+def cost(c) -> tuple[float, float]:
+  """(FLOPs, bytes) of a case under the conventions in the module docstring."""
+  b, s, h, hk, d = c["batch"], c["seq"], c["heads"], c["kv_heads"], c["head_dim"]
+  flops = 4.0 * b * h * d * pairs(s, c["causal"], c["window"])
+  isz = jnp.dtype(DTYPE).itemsize
+  q = b * s * h * d * isz
+  kv = b * s * hk * d * isz
+  nbytes = (q + 2 * kv + q)
+  if c["backward"]:
+    flops *= 3.5
+    nbytes += (q + 2 * kv + 2 * q) + (q + 2 * kv)
+  return flops, float(nbytes)
+
+
+# --- the peers --------------------------------------------------------------------
+
+def _sds(shape):
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(DTYPE))
+
+
+def _with_vjp(f, bwd):
+  if not bwd:
+    return f
+
+  def g(q, k, v, do):
+    out, pullback = jax.vjp(f, q, k, v)
+    return pullback(do)
+  return g
+
+
+def build(peer, c, blocks):
+  """(function, abstract args) of ``peer`` on case ``c`` with ``blocks`` (None = defaults)."""
+  b, s, h, hk, d = c["batch"], c["seq"], c["heads"], c["kv_heads"], c["head_dim"]
+  causal, window, bwd = c["causal"], c["window"], c["backward"]
+  scale = 1.0 / math.sqrt(d)
+  if peer in ("xla", "ours"):  # [B, S, H, D]
+    shapes = [(b, s, h, d), (b, s, hk, d), (b, s, hk, d)]
+    if peer == "xla":
+      def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation="xla",
+                                            local_window_size=(window - 1, 0) if window else None)
+    else:
+      att = kernels.flash_attention
+      extra = {} if blocks is None else {"block_sizes": _ours_blocks(blocks)}
+      if window:
+        extra["sliding_window"] = window
+
+      def f(q, k, v):
+        return att(q, k, v, causal=causal, scale=scale, **extra)
+  elif peer == "jax_flash":  # [B, H, S, D]
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+    if window:
+      raise NotImplementedError("JAX's flash_attention has no sliding window")
+    shapes = [(b, h, s, d), (b, hk, s, d), (b, hk, s, d)]
+    bs = None if blocks is None else fa.BlockSizes(**blocks)
+
+    def f(q, k, v):
+      if hk != h:
+        k, v = jnp.repeat(k, h // hk, axis=1), jnp.repeat(v, h // hk, axis=1)
+      return fa.flash_attention(q, k, v, causal=causal, sm_scale=scale, block_sizes=bs)
+  elif peer == "splash":  # [H, S, D], batch 1
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    if b != 1:
+      raise NotImplementedError("splash is estimated at batch 1")
+    shapes = [(h, s, d), (hk, s, d), (hk, s, d)]
+    if window:
+      m = sa.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
+    elif causal:
+      m = sa.CausalMask((s, s))
+    else:
+      m = sa.FullMask((s, s))
+    bs = None if blocks is None else sa.BlockSizes(**blocks)
+    kernel = sa.make_splash_mha(sa.MultiHeadMask([m] * h), block_sizes=bs, head_shards=1, q_seq_shards=1)
+    # The mask tables go in as arguments: as constants folded into the program, libtpu's
+    # cost model aborts ("Unsupported DMA direction"), as arguments it estimates them.
+    leaves, tree = jax.tree.flatten(kernel)
+    tables = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+
+    def make(*leaves):
+      kern = jax.tree.unflatten(tree, leaves)
+
+      def f(q, k, v):
+        if hk != h:
+          k, v = jnp.repeat(k, h // hk, axis=0), jnp.repeat(v, h // hk, axis=0)
+        return kern(q, k, v)  # q comes pre-scaled (see the module docstring)
+      return f
+    n = 4 if bwd else 3
+
+    def g(*a):
+      return _with_vjp(make(*a[n:]), bwd)(*a[:n])
+    shapes = [(h, s, d), (hk, s, d), (hk, s, d)] + ([(h, s, d)] if bwd else [])
+    return g, [_sds(x) for x in shapes] + tables
+  else:
+    raise ValueError(peer)
+  if bwd:
+    shapes.append(shapes[0])
+  return _with_vjp(f, bwd), [_sds(x) for x in shapes]
+
+
+def _ours_blocks(blocks):
+  import importlib
+  mod = importlib.import_module("kernels.attention")
+  return mod.BlockSizes(**blocks)
+
+
+def ours_available() -> bool:
+  try:
+    import importlib
+    importlib.import_module("kernels.attention")
+    return hasattr(kernels, "flash_attention")
+  except Exception:  # noqa: BLE001
+    return False
+
+
+# Block sizes tried besides each kernel's defaults (None). JAX's flash: forward blocks
+# (block_q, block_k_major, block_k) and, for the backward, the same sizes for dkv and dq.
+def _jf(bq, bkm, bk, bwd):
+  d = {"block_q": bq, "block_k_major": bkm, "block_k": bk, "block_b": 1}
+  if bwd:
+    d.update(block_q_major_dkv=bq, block_k_major_dkv=bkm, block_k_dkv=bk, block_q_dkv=bq,
+             block_k_major_dq=bkm, block_k_dq=bk, block_q_dq=bq)
+  else:  # the forward ignores these, but BlockSizes wants them for the custom_vjp
+    d.update(block_q_major_dkv=128, block_k_major_dkv=128, block_k_dkv=128, block_q_dkv=128,
+             block_k_major_dq=128, block_k_dq=128, block_q_dq=128)
+  return d
+
+
+def _sp(bq, bkv, bkvc, bwd):
+  d = {"block_q": bq, "block_kv": bkv, "block_kv_compute": bkvc}
+  if bwd:
+    d.update(block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkvc, block_q_dq=bq, block_kv_dq=bkv)
+  return d
+
+
+TARGET = case(8192, 128, True, False)
+SWEEP = {  # (block_q, block_k_major or block_kv, block_k or block_kv_compute)
+    "jax_flash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512), (512, 1024, 512), (2048, 1024, 512)),
+    "splash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512), (512, 1024, 512), (2048, 1024, 512)),
+}
+
+
+def _make_blocks(peer, triple, bwd):
+  return (_jf if peer == "jax_flash" else _sp)(*triple, bwd)
+
+
+def candidates(peer, c, table=None, gen=None):
+  """Block sizes to try for ``peer`` on ``c``: the defaults (None) first, then others.
+
+  On the target case, every block triple in SWEEP; on the other cases, the two best
+  triples of the target case on the same generation (a full sweep everywhere does not fit
+  in the time an estimate takes on this machine)."""
+  if peer not in SWEEP:
+    return [None]
+  s, bwd = c["seq"], c["backward"]
+  triples = list(SWEEP[peer])
+  if case_key(c) != case_key(TARGET) and table is not None:
+    tried = table["cases"].get(case_key(TARGET), {}).get("results", {}).get(gen, {}).get(peer, {}).get("tried", {})
+    ranked = sorted((r["us"], name) for name, r in tried.items() if "us" in r and name != "default")
+    triples = []
+    for _, name in ranked[:2]:
+      d = json.loads(name)
+      key = "block_k_major" if peer == "jax_flash" else "block_kv"
+      minor = "block_k" if peer == "jax_flash" else "block_kv_compute"
+      triples.append((d["block_q"], d[key], d[minor]))
+  out = [None]
+  for t in triples:
+    if t[0] <= s and t[1] <= s:
+      out.append(_make_blocks(peer, t, bwd))
+  return out
+
+
+# --- one estimate (child process) ----------------------------------------------------
+
+def estimate_here(peer, c, gen, blocks):
+  fn, args = build(peer, c, blocks)
+  flops, nbytes = cost(c)
+  t0 = time.time()
+  e = kernels.estimate_tpu(fn, *args, generation=gen, flops=flops, bytes_accessed=nbytes, dtype=DTYPE)
+  if e.cycles == 0:
+    raise RuntimeError("the cost model reported 0 cycles")
+  rl = e.roofline
+  return {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
+          "valid": e.valid, "tflops": round(flops / e.seconds / 1e12, 2),
+          "fraction_of_mxu_peak": round(flops / e.seconds / rl.peak, 4),
+          "vmem_mib": None if e.vmem_bytes is None else round(e.vmem_bytes / 2**20, 2),
+          "estimate_seconds": round(time.time() - t0, 1)}
+
+
+def estimate_isolated(peer, c, gen, blocks, timeout=3600):
+  """:func:`estimate_here` in a child process holding the shared heavy-work lock."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps([peer, c, gen, blocks])]
+  with open(LOCK, "a") as lk:
+    fcntl.flock(lk, fcntl.LOCK_EX)
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+      return {"error": f"estimate took longer than {timeout} s"}
+    finally:
+      fcntl.flock(lk, fcntl.LOCK_UN)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
+    return {"error": "the compiler or its cost model crashed: " + (tail[-1][:200] if tail else f"exit {proc.returncode}")}
+  return json.loads(lines[-1])
+
+
+# --- storage ------------------------------------------------------------------------
+
+def _load(path):
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as fh:
+      return json.load(fh)
+  return {}
+
+
+def _save(table, path):
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as fh:
+    json.dump(table, fh, indent=1)
+    fh.write("\n")
+  os.replace(tmp, path)
+
+
+SPLASH_BWD_V5E = ("not estimated: libtpu's cost model aborts the process on splash's backward kernels on "
+                  "v5e ('Unsupported DMA direction: 10 on VL/VLP')")
+
+
+def _header():
+  return {
+      "kind": "compiler estimate (kernels.estimate_tpu, libtpu's static cost model)",
+      "dtype": DTYPE,
+      "script": "tools/bench_attention.py",
+      "conventions": {
+          "flops": "4*B*H*D*pairs forward (pairs = S^2, S(S+1)/2 causal, sum_i min(i+1, W) causal sliding "
+                   "window); backward = 2.5x forward, so forward+backward = 3.5x forward",
+          "bytes": "forward: read q, k, v, write o; forward+backward adds read q, k, v, o, dO and write dq, dk, dv",
+          "backward": "jax.vjp of the attention, cotangent dO passed as an input",
+          "layouts": "xla and ours [B,S,H,D]; jax_flash [B,H,S,D]; splash [H,S,D] (batch 1); "
+                     "Pallas peers repeat K/V heads for GQA inside the timed function",
+          "scale": "1/sqrt(D); splash gets q pre-scaled (the scaling pass is not timed)",
+      },
+      "jax": jax.__version__, "host": platform.node(), "cases": {},
+  }
+
+
+def _best(entry):
+  ok = [(r["us"], name) for name, r in entry["tried"].items() if "us" in r]
+  if not ok:
+    return None
+  us, name = min(ok)
+  return {"blocks": name, **entry["tried"][name]}
+
+
+def run(args):
+  table = _load(args.out) or _header()
+  table.setdefault("cases", {})
+  cs = cases_in_order()
+  if args.only == "target":
+    cs = cs[:1]
+  elif args.only:
+    cs = [c for c in cs if case_key(c) in args.only.split(",")]
+  peers = [p for p in args.peers if p != "ours" or ours_available()]
+  if "ours" in args.peers and "ours" not in peers:
+    print("kernels.flash_attention is not available: skipping ours", flush=True)
+  t_all = time.time()
+  for _ in (0,):
+    for c in cs:
+      key = case_key(c)
+      for gen in args.generations:
+        for peer in peers:
+          if args.deadline and time.time() > args.deadline:
+            print("deadline reached: stopping", flush=True)
+            return
+          cands = candidates(peer, c, table, gen)
+          cands = cands if args.tune else cands[:1]
+          for blocks in cands:
+            name = "default" if blocks is None else json.dumps(blocks, sort_keys=True)
+            entry = table["cases"].setdefault(key, {"shape": c, "flops": cost(c)[0], "bytes": cost(c)[1],
+                                                    "results": {}})
+            pe = entry["results"].setdefault(gen, {}).setdefault(peer, {"tried": {}})
+            if name in pe["tried"] and not args.force:
+              continue
+            if peer == "jax_flash" and c["window"]:
+              continue
+            if peer == "splash" and c["backward"] and gen == "v5e":
+              pe["tried"][name] = {"error": SPLASH_BWD_V5E}
+              pe["default"], pe["best"] = pe["tried"].get("default"), _best(pe)
+              _save(table, args.out)
+              continue
+            t0 = time.time()
+            r = estimate_isolated(peer, c, gen, blocks)
+            r["wall_seconds"] = round(time.time() - t0, 1)
+            r["date"] = datetime.date.today().isoformat()
+            pe["tried"][name] = r
+            pe["default"] = pe["tried"].get("default")
+            pe["best"] = _best(pe)
+            _save(table, args.out)
+            what = (f"{r['us']:.1f} us, {100 * r['fraction_of_roofline']:.1f}% of roofline"
+                    if "us" in r else r["error"][:160])
+            print(f"[{time.time() - t_all:6.0f} s] {gen} {key} {peer} {name}: {what} "
+                  f"({r['wall_seconds']} s)", flush=True)
+
+
+# --- memory: temp HBM of the compiled program -----------------------------------------
+
+MEM_OUT = os.path.join(ROOT, "kernels", "data", "attention_memory.json")
+
+
+def memory_here(peer, s, bwd, gen="v5e", d=128, h=8):
+  """``memory_analysis()`` of the compiled program (bytes) for a causal case of length ``s``."""
+  fn, args = build(peer, case(s, d, True, bwd, heads=h), None)
+  comp = kernels.compile_for_tpu(fn, *args, generation=gen)
+  return {**comp.memory, "compile_seconds": round(comp.compile_seconds, 2)}
+
+
+def run_memory(args):
+  """Temp HBM of each peer's compiled program on v5e, S = 1k..16k (compiles only, no estimates)."""
+  if os.environ.get("KERNELS_STATIC_PROFILE") != "0":  # the cost model makes compiles 10-20x slower
+    env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
+    sys.exit(subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env).returncode)
+  table = _load(MEM_OUT) or {
+      "kind": "memory_analysis() of the program compiled for TPU v5e (kernels.compile_for_tpu), bytes",
+      "shape": "batch 1, 8 heads, head_dim 128, bfloat16, causal; fwd = forward, fwdbwd = jax.vjp",
+      "script": "tools/bench_attention.py --memory", "jax": jax.__version__, "results": {}}
+  peers = [p for p in args.peers if p != "ours" or ours_available()]
+  for bwd in (False, True):
+    for peer in peers:
+      for s in (1024, 2048, 4096, 8192, 16384):
+        key = f"{'fwdbwd' if bwd else 'fwd'}/{peer}/{s}"
+        if key in table["results"] and not args.force:
+          continue
+        try:
+          r = memory_here(peer, s, bwd)
+        except Exception as e:  # noqa: BLE001
+          r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        table["results"][key] = r
+        _save(table, MEM_OUT)
+        print(key, r, flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--one", help=argparse.SUPPRESS)
+  p.add_argument("--generations", nargs="+", default=list(GENERATIONS))
+  p.add_argument("--peers", nargs="+", default=list(PEERS))
+  p.add_argument("--only", default="", help="'target' or comma-separated case keys")
+  p.add_argument("--no-tune", dest="tune", action="store_false", help="defaults only")
+  p.add_argument("--force", action="store_true")
+  p.add_argument("--minutes", type=float, default=0, help="stop starting estimates after this many minutes")
+  p.add_argument("--out", default=OUT)
+  p.add_argument("--memory", action="store_true", help="temp HBM of the compiled programs (no estimates)")
+  args = p.parse_args()
+  if args.one:
+    peer, c, gen, blocks = json.loads(args.one)
+    try:
+      r = estimate_here(peer, c, gen, blocks)
+    except Exception as e:  # noqa: BLE001 - the parent stores the reason
+      r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    print(json.dumps(r), flush=True)
+    return
+  if args.memory:
+    run_memory(args)
+    return
+  args.deadline = time.time() + 60 * args.minutes if args.minutes else None
+  run(args)
+
+
+if __name__ == "__main__":
+  main()
