@@ -1,0 +1,397 @@
+"""kernels.norm: layer norm and RMS norm against their pure-JAX references and a float64 oracle.
+
+Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU,
+on small shapes with small row blocks, so grids have several steps and a partial
+last block.
+
+Tolerances (|out - expected| <= ATOL + RTOL * |expected|; outputs are O(1)):
+
+* float32: f32 statistics summed in a different order than the oracle's float64:
+  1e-5 absolute and relative (observed ~1e-6).
+* bfloat16 out: one rounding of the f32 result (half an ulp = 2^-9 relative); kernel
+  and reference may round a value on a boundary differently, so one ulp, 2^-7
+  relative, and 2e-2 absolute near zero.
+* gradients (f32): the same formulas in a different order: 1e-4 of the largest entry.
+"""
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+import kernels
+from kernels.norm import BlockSizes, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+
+nm = importlib.import_module("kernels.norm")
+
+TOL = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2 ** -7)}
+GRAD_RTOL = 1e-4
+SMALL = BlockSizes(16, 16)  # several grid steps for the shapes below
+KINDS = ["layer", "rms"]
+
+
+def rand(shape, dtype=jnp.float32, seed=0, loc=0.0, scale=1.0):
+  x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale + loc
+  return jnp.asarray(x, dtype)
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def oracle(kind, x, scale=None, bias=None, eps=1e-6, residual=None):
+  """float64 NumPy: h (rounded to x's dtype, as the kernel stores it), then the norm."""
+  h = x if residual is None else (jnp.asarray(x, jnp.float32) + jnp.asarray(residual, jnp.float32)).astype(x.dtype)
+  v = f64(h)
+  if kind == "layer":
+    v = v - v.mean(-1, keepdims=True)
+  y = v / np.sqrt((v * v).mean(-1, keepdims=True) + eps)
+  if scale is not None:
+    y = y * f64(scale)
+  if bias is not None:
+    y = y + f64(bias)
+  return y, f64(h)
+
+
+def call(kind, x, scale=None, bias=None, impl="pallas", interpret=True, block_sizes=SMALL, **kw):
+  if kind == "layer":
+    return layer_norm(x, scale, bias, implementation=impl, interpret=interpret, block_sizes=block_sizes, **kw)
+  assert bias is None
+  return rms_norm(x, scale, implementation=impl, interpret=interpret, block_sizes=block_sizes, **kw)
+
+
+def reference(kind, x, scale=None, bias=None, **kw):
+  if kind == "layer":
+    return layer_norm_reference(x, scale, bias, **kw)
+  return rms_norm_reference(x, scale, **kw)
+
+
+def params(kind, hidden, seed=5):
+  scale = rand((hidden,), seed=seed, loc=1.0, scale=0.2)
+  bias = rand((hidden,), seed=seed + 1, scale=0.1) if kind == "layer" else None
+  return scale, bias
+
+
+def assert_close(out, expected, dtype):
+  np.testing.assert_allclose(f64(out), expected, **TOL[jnp.dtype(dtype).name])
+
+
+# --- forward ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_forward_matches_oracle_and_reference(kind, dtype, residual):
+  x = rand((3, 20, 384), dtype, loc=0.5)
+  r = rand((3, 20, 384), dtype, seed=1) if residual else None
+  scale, bias = params(kind, 384)
+  out = call(kind, x, scale, bias, residual=r)
+  ref = reference(kind, x, scale, bias, residual=r)
+  want, h = oracle(kind, x, scale, bias, residual=r)
+  if residual:
+    (out, out_h), (ref, ref_h) = out, ref
+    assert out_h.dtype == dtype and out_h.shape == x.shape
+    np.testing.assert_array_equal(f64(out_h), h)  # the add is the same rounding in both
+    np.testing.assert_array_equal(f64(ref_h), h)
+  assert out.shape == x.shape and out.dtype == dtype
+  assert_close(out, want, dtype)
+  assert_close(ref, want, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden", [1000, 4000, 5120, 1, 130])
+def test_odd_widths(kind, hidden):
+  # Widths that are not multiples of 128: the block's last dim is the whole row.
+  x = rand((24, hidden), jnp.bfloat16, loc=-1.0)
+  scale, bias = params(kind, hidden)
+  assert_close(call(kind, x, scale, bias), oracle(kind, x, scale, bias)[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_single_row_and_vector(kind):
+  for shape in [(1, 256), (256,), (1, 1, 77)]:
+    x = rand(shape, loc=2.0)
+    out = call(kind, x, block_sizes=None)
+    assert out.shape == shape
+    assert_close(out, oracle(kind, x)[0], jnp.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_wide_rows_any_row_count(kind, dtype, monkeypatch):
+  # Wide rows are laid out as (H/128, 128) tiles; a block may then hold 3 rows (not a multiple of 8).
+  monkeypatch.setattr(nm, "WIDE_ROW_BYTES", 1024)
+  x, r = rand((7, 1024), dtype, loc=1.0), rand((7, 1024), dtype, seed=1)
+  scale, bias = params(kind, 1024)
+  assert nm._row_shape(1024, dtype) == (8, 128)
+  cts = (rand(x.shape, dtype, seed=2), rand(x.shape, dtype, seed=3))
+  got = _vjp_all(lambda *a, **k: call(*a, **k), kind, x, r, scale, bias, cts)
+  want = _vjp_all(reference, kind, x, r, scale, bias, cts)
+  y, h = call(kind, x, scale, bias, residual=r, block_sizes=3)
+  assert_close(y, oracle(kind, x, scale, bias, residual=r)[0], dtype)
+  got = _vjp_all(lambda *a, **k: call(*a, block_sizes=3, **k), kind, x, r, scale, bias, cts)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(f64(g), f64(w), atol=2e-2 * np.abs(f64(w)).max())
+
+
+def test_no_scale_no_bias_and_scale_only():
+  x = rand((40, 256))
+  scale, bias = params("layer", 256)
+  assert_close(call("layer", x), oracle("layer", x)[0], jnp.float32)
+  assert_close(call("layer", x, scale), oracle("layer", x, scale)[0], jnp.float32)
+  assert_close(call("layer", x, None, bias), oracle("layer", x, None, bias)[0], jnp.float32)
+
+
+def test_large_mean_stays_accurate():
+  # |mean| = 1e4 x std: the one-pass formula E[x^2] - E[x]^2 cancels every f32 digit
+  # (it returns var ~ 0 or negative); the two-pass variance the kernel uses does not.
+  # (f32 holds 1e4 to ~1e-3, so the mean itself is known to ~1e-3: that is the tolerance.)
+  x = rand((32, 512), loc=1e4)
+  out = call("layer", x)
+  np.testing.assert_allclose(f64(out), oracle("layer", x)[0], atol=3e-3)
+  xf = np.asarray(x)
+  one_pass = (xf * xf).mean(-1) - xf.mean(-1) ** 2
+  assert np.abs(one_pass - f64(x).var(-1)).max() > 0.5  # the naive formula is badly wrong here
+
+
+def test_partial_block_with_nan_in_stale_vmem():
+  # Interpret mode that fills out-of-bounds reads and never-written VMEM with NaN: the last
+  # block's missing rows must not reach the outputs or the dscale/dbias partial sums.
+  ip = pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+  x, r = rand((37, 256), loc=0.3), rand((37, 256), seed=1)
+  scale, bias = params("layer", 256)
+  (y, h), vjp = jax.vjp(lambda x, r, s, b: call("layer", x, s, b, residual=r, interpret=ip), x, r, scale, bias)
+  grads = vjp((rand((37, 256), seed=2), rand((37, 256), seed=3)))
+  for a in (y, h) + tuple(grads):
+    assert np.isfinite(np.asarray(a)).all()
+  want = jax.vjp(lambda x, r, s, b: reference("layer", x, s, b, residual=r), x, r, scale, bias)[1](
+      (rand((37, 256), seed=2), rand((37, 256), seed=3)))
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(f64(g), f64(w), atol=GRAD_RTOL * np.abs(f64(w)).max())
+
+
+def test_no_races_in_the_pipeline():
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+  x, r = rand((48, 256)), rand((48, 256), seed=1)
+  scale, bias = params("layer", 256)
+  ip = pltpu.InterpretParams(detect_races=True)
+  _, vjp = jax.vjp(lambda x, r, s, b: call("layer", x, s, b, residual=r, interpret=ip), x, r, scale, bias)
+  vjp((x, r))
+  assert ipc.races is not None and not ipc.races.races_found
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 70), hidden=st.integers(1, 300), kind=st.sampled_from(KINDS), bf16=st.booleans(),
+       residual=st.booleans(), block=st.sampled_from([8, 16, 32, None]), loc=st.sampled_from([0.0, 3.0, -100.0]))
+def test_hypothesis_shapes(rows, hidden, kind, bf16, residual, block, loc):
+  dtype = jnp.bfloat16 if bf16 else jnp.float32
+  x = rand((rows, hidden), dtype, seed=rows * 1000 + hidden, loc=loc)
+  r = rand((rows, hidden), dtype, seed=7) if residual else None
+  scale, bias = params(kind, hidden)
+  out = call(kind, x, scale, bias, residual=r, block_sizes=block)
+  want, h = oracle(kind, x, scale, bias, residual=r)
+  if residual:
+    out, out_h = out
+    np.testing.assert_array_equal(f64(out_h), h)
+  # f32 holds x to ~6e-8 * |loc|: an offset costs digits in (x - mean) before the kernel sees it.
+  tol = dict(TOL[jnp.dtype(dtype).name])
+  tol["atol"] += 1e-6 * abs(loc)
+  np.testing.assert_allclose(f64(out), want, **tol)
+
+
+def test_xla_implementation_is_the_reference():
+  x, r = rand((10, 128)), rand((10, 128), seed=1)
+  scale, bias = params("layer", 128)
+  out = layer_norm(x, scale, bias, residual=r, implementation="xla")
+  ref = layer_norm_reference(x, scale, bias, residual=r)
+  for a, b in zip(out, ref):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # implementation=None on the CPU runs XLA
+  np.testing.assert_array_equal(np.asarray(rms_norm(x, scale)), np.asarray(rms_norm_reference(x, scale)))
+
+
+# --- gradients -------------------------------------------------------------------------
+
+
+def _vjp_all(fn, kind, x, r, scale, bias, cts):
+  args = [x, scale] + ([bias] if kind == "layer" else []) + ([r] if r is not None else [])
+
+  def f(x, scale, *rest):
+    b = rest[0] if kind == "layer" else None
+    res = rest[-1] if r is not None else None
+    return fn(kind, x, scale, b, residual=res)
+  _, vjp = jax.vjp(f, *args)
+  return vjp(cts if r is not None else cts[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("hidden", [256, 200])
+def test_gradients_match_reference_vjp(kind, residual, hidden):
+  x = rand((3, 13, hidden), loc=1.0)
+  r = rand((3, 13, hidden), seed=1) if residual else None
+  scale, bias = params(kind, hidden)
+  cts = (rand(x.shape, seed=2), rand(x.shape, seed=3))
+  got = _vjp_all(lambda *a, **k: call(*a, **k), kind, x, r, scale, bias, cts)
+  want = _vjp_all(reference, kind, x, r, scale, bias, cts)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_allclose(f64(g), f64(w), atol=GRAD_RTOL * np.abs(f64(w)).max())
+  if residual:  # x and the residual receive the same gradient (d(x + r) / dx = d(x + r) / dr = 1)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(got[-1]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_check_grads_f32(kind):
+  x, r = rand((10, 136), loc=0.5), rand((10, 136), seed=1)
+  scale, bias = params(kind, 136)
+
+  def f(x, r, scale, *b):
+    y, h = call(kind, x, scale, b[0] if b else None, residual=r, block_sizes=BlockSizes(8, 8))
+    return y, jnp.sin(h)
+  args = (x, r, scale) + ((bias,) if kind == "layer" else ())
+  jax.test_util.check_grads(f, args, order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_bf16_gradients_have_input_dtypes():
+  x, r = rand((20, 256), jnp.bfloat16), rand((20, 256), jnp.bfloat16, seed=1)
+  scale, bias = params("layer", 256)
+  cts = (rand(x.shape, jnp.bfloat16, seed=2), rand(x.shape, jnp.bfloat16, seed=3))
+  got = _vjp_all(lambda *a, **k: call(*a, **k), "layer", x, r, scale.astype(jnp.bfloat16), bias, cts)
+  want = _vjp_all(reference, "layer", x, r, scale.astype(jnp.bfloat16), bias, cts)
+  assert [g.dtype for g in got] == [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.bfloat16]
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(f64(g), f64(w), atol=2e-2 * np.abs(f64(w)).max(), rtol=2 ** -6)
+
+
+def test_jit_vmap_grad_compose():
+  x = rand((4, 8, 128))
+  scale, _ = params("rms", 128)
+  f = jax.jit(jax.vmap(lambda x: call("rms", x, scale, block_sizes=8)))
+  assert_close(f(x), oracle("rms", x, scale)[0], jnp.float32)
+  g = jax.grad(lambda s: jnp.sum(call("rms", x, s) ** 2))(scale)
+  w = jax.grad(lambda s: jnp.sum(reference("rms", x, s) ** 2))(scale)
+  np.testing.assert_allclose(f64(g), f64(w), atol=GRAD_RTOL * np.abs(f64(w)).max())
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def _bad(argument, kind="layer", error=kernels.KernelError, **overrides):
+  kw = dict(x=rand((16, 128)), scale=rand((128,)), implementation="pallas", interpret=True, block_sizes=SMALL)
+  kw.update(overrides)
+  fn = layer_norm if kind == "layer" else rms_norm
+  with pytest.raises(error) as info:
+    fn(kw.pop("x"), kw.pop("scale"), **kw)
+  assert info.value.argument == argument, str(info.value)
+  assert argument in str(info.value)
+  return str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_input_names_the_argument(kind):
+  assert "(128,)" in _bad("scale", kind, scale=rand((127,)))
+  assert "(128,)" in _bad("scale", kind, scale=rand((1, 128)))
+  assert "floating" in _bad("scale", kind, scale=jnp.ones((128,), jnp.int32))
+  assert "int32" in _bad("x", kind, x=jnp.ones((16, 128), jnp.int32))
+  assert "float16" in _bad("x", kind, x=jnp.ones((16, 128), jnp.float16))
+  _bad("x", kind, x=[1.0, 2.0])
+  for eps in (0.0, -1e-5, float("nan"), "1e-6"):
+    assert "positive" in _bad("eps", kind, eps=eps)
+  assert "shape" in _bad("residual", kind, residual=rand((8, 128)))
+  assert "dtype" in _bad("residual", kind, residual=rand((16, 128), jnp.bfloat16))
+  _bad("block_sizes", kind, block_sizes=(1, 2, 3))
+  _bad("block_sizes", kind, block_sizes=BlockSizes(-8, 8))
+  assert "divisible" in _bad("block_sizes", kind, kernels.TilingError, block_sizes=BlockSizes(12, 16))
+  _bad("implementation", kind, implementation="cuda")
+  if kind == "layer":
+    assert "(128,)" in _bad("bias", bias=rand((64,)))
+
+
+def test_vmem_overflow_is_caught_before_lowering():
+  big = jax.ShapeDtypeStruct((8192, 65536), jnp.bfloat16)
+  with pytest.raises(kernels.VmemOverflowError) as info:
+    jax.eval_shape(lambda x: layer_norm(x, implementation="pallas", interpret=True, block_sizes=4096), big)
+  assert info.value.argument == "block_sizes" and "VMEM" in str(info.value)
+
+
+# --- block sizes -----------------------------------------------------------------------
+
+
+def test_default_blocks_fit_every_generation():
+  for gen in kernels.TPU_GENERATIONS:
+    chip = kernels.get_chip(gen)
+    for hidden in (128, 1000, 4096, 16384, 65536):
+      for dtype in (jnp.bfloat16, jnp.float32):
+        for residual in (False, True):
+          d = nm.default_block_sizes(gen, dtype, hidden, "layer", residual)
+          assert d.rows >= 1 and d.backward_rows >= 1
+          b = nm.fit_block_sizes(d, 8192, hidden, dtype, residual=residual, chip=gen)
+          for rows, backward in ((b.rows, False), (b.backward_rows, True)):
+            assert rows % 8 == 0 or nm._wide(hidden, dtype)
+            need = nm._vmem_bytes(rows, hidden, dtype, backward=backward, residual=residual, params=2)
+            assert kernels.tiling.vmem_limit(need, chip) is None or need < chip.vmem_bytes
+  # 65536-wide rows (wide layout) fit v4's 16 MiB with a few rows per block
+  assert nm.fit_block_sizes(nm.default_block_sizes("v4", jnp.float32, 65536), 8192, 65536, jnp.float32,
+                            residual=True, chip="v4").backward_rows in (1, 2)
+  assert nm.fit_block_sizes(BlockSizes(256, 256), 5, 1024) == BlockSizes(5, 5)
+  assert nm.default_block_sizes(None) == nm.default_block_sizes("v5e")
+
+
+# --- ahead-of-time compilation for TPU ---------------------------------------------------
+
+sds = jax.ShapeDtypeStruct
+bf16 = jnp.bfloat16
+
+
+def _fwd_bwd(kind, residual):
+  """The add-and-norm forward plus backward (all four gradients), as one program."""
+  def f(x, r, s, b):
+    def g(x, r, s, b):
+      out = (layer_norm(x, s, b, residual=r) if kind == "layer" else rms_norm(x, s, residual=r)) if residual else \
+          (layer_norm(x, s, b) if kind == "layer" else rms_norm(x, s))
+      return out
+    out, vjp = jax.vjp(g, x, r, s, b)
+    return vjp(out)
+  return f
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_compiles_forward_and_backward(generation):
+  # fused add-and-layer-norm, forward and backward, an odd width, leading dims, a partial last block
+  args = (sds((2, 50, 1000), bf16),) * 2 + (sds((1000,), jnp.float32),) * 2
+  comp = kernels.compile_for_tpu(_fwd_bwd("layer", True), *args, generation=generation)
+  assert comp.hlo.count("tpu_custom_call") == 2, comp.hlo  # forward and backward, both Pallas
+  # RMS norm, f32, no residual, a single row
+  args = (sds((1, 4096), jnp.float32),) * 2 + (sds((4096,), jnp.float32),) * 2
+  comp = kernels.compile_for_tpu(_fwd_bwd("rms", False), *args, generation=generation)
+  assert comp.hlo.count("tpu_custom_call") == 2
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", ["v4", "v6e"])
+def test_aot_very_wide_rows(generation):
+  # 65536 wide, f32, with a residual: wide layout, rows per block from the VMEM budget (1 or 2 on v4).
+  args = (sds((20, 65536), jnp.float32),) * 2 + (sds((65536,), jnp.float32),) * 2
+  comp = kernels.compile_for_tpu(_fwd_bwd("layer", True), *args, generation=generation)
+  assert comp.hlo.count("tpu_custom_call") == 2
+
+
+@pytest.mark.tpu_aot
+def test_estimate_forward_beats_xla():
+  x, s = sds((2048, 4096), bf16), sds((4096,), jnp.float32)
+  nbytes = 2 * 2048 * 4096 * 2
+  ours = kernels.estimate_tpu(lambda x, s, b: layer_norm(x, s, b), x, s, s, generation="v5e", flops=0,
+                              bytes_accessed=nbytes)
+  xla = kernels.estimate_tpu(lambda x, s, b: layer_norm_reference(x, s, b), x, s, s, generation="v5e", flops=0,
+                             bytes_accessed=nbytes)
+  assert xla.seconds / ours.seconds > 0.97, (str(ours), str(xla))

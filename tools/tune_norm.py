@@ -1,0 +1,242 @@
+"""Tunes kernels.norm's rows per block and benchmarks it against XLA, with the TPU compiler's cost model.
+
+Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate**
+(``kernels.estimate_tpu``, libtpu's static cost model), never a measurement.
+
+* ``tune`` -> ``norm_blocks.json``: for v5e, v5p and v6e, bf16, a few widths
+  (8192 rows), the fused add-and-layer-norm forward at several block sizes (rows x
+  width x 2 bytes from 256 KiB to 4 MiB), then the backward pass at several sizes
+  (estimated as forward + backward with the best forward). v4 has no cost model: its
+  entries are v5p's (the kernel shrinks blocks that do not fit v4's VMEM).
+* ``bench`` -> ``norm_bench.json``: 8192 rows, widths 1024-16384, bf16, on v5e and
+  v6e: layer and RMS norm, with and without the residual, forward alone and forward
+  plus backward, ours (default blocks) against XLA's jnp composition
+  (``kernels.norm.*_reference``, which XLA fuses itself; with the residual it is the
+  unfused composition ``h = x + r``, norm, autodiff). Also a plain copy of a
+  ``[8192, width]`` bf16 array, by XLA (``x * 2``) and by a Pallas copy kernel: the
+  cost model's own HBM bandwidth, against which a memory-bound kernel is judged
+  (the model's HBM is ~2x faster than the published figure).
+
+Each estimate runs in a child process (libtpu's cost model can abort a process);
+results are written after each one, so an interrupted run resumes. Run it under the
+shared lock::
+
+  flock /tmp/tpu-heavy.lock python tools/tune_norm.py tune
+  flock /tmp/tpu-heavy.lock python tools/tune_norm.py bench
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+nm = importlib.import_module("kernels.norm")
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
+BLOCKS_OUT = os.path.join(DATA, "norm_blocks.json")
+BENCH_OUT = os.path.join(DATA, "norm_bench.json")
+
+ROWS = 8192
+TUNE_GENERATIONS = ("v5e", "v5p", "v6e")
+TUNE_WIDTHS = (1024, 8192)
+BLOCK_BYTES = (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
+BENCH_GENERATIONS = ("v5e", "v6e")
+BENCH_WIDTHS = (1024, 4096, 16384)
+
+
+def bytes_moved(cfg) -> int:
+  """HBM bytes the fused kernels must move (the roofline's numerator), bf16."""
+  n = ROWS * cfg["hidden"] * jnp.dtype(cfg["dtype"]).itemsize
+  if cfg["impl"].startswith("copy"):
+    return 2 * n
+  fwd = (4 if cfg["residual"] else 2) * n   # read x (and r), write y (and h)
+  bwd = (4 if cfg["residual"] else 3) * n   # read h, dy (and dh), write dx
+  return fwd + (bwd if cfg["mode"] == "fwdbwd" else 0)
+
+
+def _program(cfg):
+  """The function and argument shapes ``cfg`` describes."""
+  h, dtype = cfg["hidden"], jnp.dtype(cfg["dtype"])
+  x = jax.ShapeDtypeStruct((ROWS, h), dtype)
+  vec = jax.ShapeDtypeStruct((h,), jnp.float32)
+  if cfg["impl"] == "copy_xla":
+    return (lambda x: x * 2), (x,)
+  if cfg["impl"] == "copy_pallas":
+    from jax.experimental import pallas as pl
+    rows = cfg.get("rows") or 256
+
+    def copy(x):
+      def body(i_ref, o_ref):
+        o_ref[...] = i_ref[...]
+      spec = pl.BlockSpec((rows, h), lambda i: (i, 0))
+      return pl.pallas_call(body, grid=(ROWS // rows,), in_specs=[spec], out_specs=spec,
+                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    return copy, (x,)
+  layer = cfg["kind"] == "layer"
+  if cfg["impl"] == "ours":
+    blocks = nm.BlockSizes(cfg.get("rows"), cfg.get("backward_rows"))
+    if layer:
+      norm = lambda x, r, s, b: nm.layer_norm(x, s, b, residual=r, block_sizes=blocks)  # noqa: E731
+    else:
+      norm = lambda x, r, s, b: nm.rms_norm(x, s, residual=r, block_sizes=blocks)  # noqa: E731
+  else:
+    if layer:
+      norm = lambda x, r, s, b: nm.layer_norm_reference(x, s, b, residual=r)  # noqa: E731
+    else:
+      norm = lambda x, r, s, b: nm.rms_norm_reference(x, s, residual=r)  # noqa: E731
+  residual = cfg["residual"]
+
+  def fwd(x, r, s, b):
+    return norm(x, r if residual else None, s, b)
+
+  if cfg["mode"] == "fwd":
+    return fwd, (x, x, vec, vec)
+
+  def fwdbwd(x, r, s, b, dy, dh):
+    out, vjp = jax.vjp(fwd, x, r, s, b)
+    return out, vjp((dy, dh) if residual else dy)
+  return fwdbwd, (x, x, vec, vec, x, x)
+
+
+def estimate(cfg) -> dict:
+  fn, args = _program(cfg)
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=0, bytes_accessed=bytes_moved(cfg))
+  return {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
+          "valid": e.valid}
+
+
+def estimate_isolated(cfg) -> dict:
+  """:func:`estimate` in a child process."""
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)], capture_output=True,
+                        text=True, timeout=1800)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
+    return {"error": (tail[-1][:200] if tail else f"exit {proc.returncode}")}
+  return json.loads(lines[-1])
+
+
+def _load(path):
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as fh:
+      return json.load(fh)
+  return {}
+
+
+def _save(table, path):
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as fh:
+    json.dump(table, fh, indent=1)
+    fh.write("\n")
+  os.replace(tmp, path)
+
+
+def _header(description):
+  return {"description": description, "generated_by": "tools/tune_norm.py", "kind": "compiler estimate",
+          "environment": {"jax": jax.__version__, "python": platform.python_version()}, "rows": ROWS}
+
+
+def tune(args):
+  table = _load(BLOCKS_OUT) or _header(
+      "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') per TPU generation "
+      "and dtype, for the tuned widths (8192 rows, fused add-and-layer-norm); a call uses the nearest width and "
+      "scales the rows to keep the block's bytes. Chosen from compiler estimates (libtpu's static cost model): "
+      "estimates, not measurements. v4 (no cost model) copies v5p.")
+  defaults = table.setdefault("defaults", {})
+  for gen in args.generations:
+    for hidden in args.widths:
+      entries = defaults.setdefault(gen, {}).setdefault("bfloat16", [])
+      if any(e["hidden"] == hidden for e in entries) and not args.force:
+        continue
+      t0 = time.time()
+      base = dict(generation=gen, kind="layer", dtype="bfloat16", hidden=hidden, residual=True, impl="ours")
+      cands = sorted({max(8, b // (hidden * 2)) for b in BLOCK_BYTES})
+      fwd = {}
+      for rows in cands:
+        fwd[rows] = estimate_isolated(dict(base, mode="fwd", rows=rows, backward_rows=rows))
+        print(f"{gen} H={hidden} forward rows={rows}: {fwd[rows]}", flush=True)
+      best = min((r for r in fwd if "us" in fwd[r]), key=lambda r: fwd[r]["us"])
+      bwd = {}
+      for rows in cands:
+        bwd[rows] = estimate_isolated(dict(base, mode="fwdbwd", rows=best, backward_rows=rows))
+        print(f"{gen} H={hidden} forward+backward rows={best}/{rows}: {bwd[rows]}", flush=True)
+      best_b = min((r for r in bwd if "us" in bwd[r]), key=lambda r: bwd[r]["us"])
+      entries[:] = [e for e in entries if e["hidden"] != hidden] + [{
+          "hidden": hidden, "rows": best, "backward_rows": best_b, "forward": fwd[best],
+          "forward_and_backward": bwd[best_b],
+          "forward_sweep": {str(r): v.get("us") for r, v in fwd.items()},
+          "backward_sweep": {str(r): v.get("us") for r, v in bwd.items()},
+          "tuned": datetime.date.today().isoformat(), "wall_seconds": round(time.time() - t0)}]
+      entries.sort(key=lambda e: e["hidden"])
+      if "v5p" in defaults:
+        defaults["v4"] = {"bfloat16": [dict(e, source="v5p's choice (libtpu has no cost model for v4)")
+                                       for e in defaults["v5p"]["bfloat16"]]}
+      _save(table, BLOCKS_OUT)
+
+
+def bench(args):
+  table = _load(BENCH_OUT) or _header(
+      "kernels.norm against XLA's jnp composition at 8192 rows, bf16: compiler estimates (libtpu's static cost "
+      "model), not measurements. 'bytes' is what a fused implementation must move through HBM; "
+      "'copy_*' estimate a plain copy of one [8192, width] array, the cost model's own HBM bandwidth.")
+  results = table.setdefault("results", {})
+  configs = []
+  for gen in args.generations:
+    for hidden in args.widths:
+      for impl in ("copy_xla", "copy_pallas"):
+        configs.append(dict(generation=gen, impl=impl, dtype="bfloat16", hidden=hidden))
+      for kind in ("layer", "rms"):
+        for residual in (False, True):
+          for mode in ("fwd", "fwdbwd"):
+            for impl in ("ours", "xla"):
+              configs.append(dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=residual,
+                                  mode=mode, impl=impl))
+  for cfg in configs:
+    key = "/".join(str(cfg.get(k)) for k in ("generation", "impl", "kind", "hidden", "residual", "mode"))
+    if key in results and "us" in results[key] and not args.force:
+      continue
+    r = estimate_isolated(cfg)
+    r.update(cfg, bytes=bytes_moved(cfg))
+    results[key] = r
+    print(key, r.get("us"), r.get("error", ""), flush=True)
+    _save(table, BENCH_OUT)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("job", choices=("tune", "bench", "one"))
+  ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
+  ap.add_argument("--generations", nargs="*")
+  ap.add_argument("--widths", nargs="*", type=int)
+  ap.add_argument("--force", action="store_true")
+  args = ap.parse_args(argv)
+  if args.job == "one":
+    try:
+      print(json.dumps(estimate(json.loads(args.config))))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+      print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+    return
+  if args.job == "tune":
+    args.generations = args.generations or list(TUNE_GENERATIONS)
+    args.widths = args.widths or list(TUNE_WIDTHS)
+    tune(args)
+  else:
+    args.generations = args.generations or list(BENCH_GENERATIONS)
+    args.widths = args.widths or list(BENCH_WIDTHS)
+    bench(args)
+
+
+if __name__ == "__main__":
+  main()
