@@ -9,6 +9,7 @@ from kernels.backend import dispatch, target_chip
 from kernels.errors import (CompileError, EstimatorUnavailableError, KernelError, NoImplementationError,
                             TilingError, VmemOverflowError)
 from kernels.matmul import BlockSizes, matmul, matmul_reference, quantized_matmul
+from kernels.attention import BlockSizes as AttentionBlockSizes, attention_reference, flash_attention
 from kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockSizes", "matmul", "matmul_reference", "quantized_matmul",
+    "AttentionBlockSizes", "attention_reference", "flash_attention",
     "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",

@@ -1,0 +1,1078 @@
+"""Flash attention on TPU: a Pallas forward and backward with causal / window / segment masks and GQA.
+
+``flash_attention(q, k, v)`` computes ``softmax(scale * q @ k^T + bias, masked) @ v``
+one ``block_q x block_kv`` tile at a time, never materialising the ``[q_len, kv_len]``
+matrix in HBM (memory O(S) per head, so 128k-token contexts fit). :func:`attention_reference`
+is the same computation in plain JAX (the matrix in full), and the oracle of the tests.
+
+How the kernel works
+--------------------
+
+*Layouts.* ``layout="BHSD"`` (``[batch, heads, seq, head_dim]``) is the native
+layout: blocks ``(block, head_dim)`` are cut straight out of the 4-D array.
+``layout="BSHD"`` (``jax.nn.dot_product_attention``'s) with ``head_dim`` a multiple
+of 128 is read in place too: ``[B, S, H, D]`` is reshaped (free) to ``[B, S, H*D]``
+and head ``h`` is the ``h``-th 128-lane-aligned column block. With another
+``head_dim`` (64, 80, 96) a BSHD call is transposed to BHSD by XLA (an HBM copy of
+q, k, v and the output). A ``head_dim`` that is not a multiple of 128 is one full
+block (Mosaic's tiling rule allows a block equal to the array dimension).
+
+*Forward.* Grid ``(batch, heads, q_len/block_q, kv_len/block_kv)``, the kv axis
+innermost and sequential. Each step computes ``s = q k^T`` on the MXU (f32), applies
+the soft cap, bias and masks, and updates the online softmax: a running row maximum
+``m``, a running denominator ``l`` and an f32 accumulator ``acc`` in VMEM scratch,
+``acc = exp(m_old - m) * acc + exp(s - m) @ v``. The last kv step writes
+``acc / l`` and ``lse = m + log(l)`` (an output used by the backward pass).
+``scale`` is folded into the q tile (``block_q x head_dim`` multiplies instead of
+``block_q x block_kv``).
+
+*GQA / MQA.* ``k``/``v`` have ``kv_heads`` dividing ``heads``; q head ``h`` reads kv
+head ``h // (heads / kv_heads)`` through the index map. Nothing is repeated in HBM.
+
+*Masks.* Key ``j`` is visible to query ``i`` when all of these hold (``off = kv_len -
+q_len`` aligns the last query with the last key, so a decode step's queries see the
+whole cache):
+
+* ``j < kv_len`` (the tail of the last kv block holds stale VMEM: masked, and its
+  ``v`` rows are zeroed so that ``0 * NaN`` cannot reach the output);
+* ``causal``: ``j <= i + off``;
+* ``sliding_window=W`` with ``causal``: ``i + off - j < W`` (the query and the W-1
+  keys before it). **Without** ``causal``: ``|i + off - j| < W``, a symmetric band
+  of ``2W - 1`` keys centred on the query's diagonal;
+* ``segment_ids``: ``q_segment[i] == kv_segment[j]``;
+* ``mask`` (dense, ``True`` = attend).
+
+*Block skipping.* Causal and window structure is known from the program ids, so a
+block that it masks completely costs neither compute nor DMA: the kv index map
+clamps ``j`` to ``[first, last]`` block that q block ``i`` needs (a repeated block
+index makes Pallas skip the copy) and the body is guarded by ``pl.when``. Blocks
+wholly inside the visible region run a branch without any mask arithmetic; only
+blocks crossing a boundary (the diagonal, the window edge, the kv tail) or calls
+with segment ids / a dense mask pay for the masking. Segment ids do not skip blocks.
+
+*Fully masked rows* (a query with no visible key: ``q_len > kv_len`` with causal,
+segments that match nothing, a mask row of ``False``) give output 0, gradient 0
+and ``lse = -inf``: the running maximum starts at ``-inf`` and a row whose maximum
+is still ``-inf`` subtracts 0 instead, so ``exp`` gives 0, never NaN.
+
+*Sinks* (gpt-oss): a learned per-head logit that joins the softmax denominator but
+has no value vector. The online softmax starts from ``m = sink, l = 1`` instead of
+``m = -inf, l = 0``; rows then never are fully masked (``lse >= sink``). Its
+gradient, ``-sum_i exp(sink - lse_i) * D_i``, is computed in XLA.
+
+*Dropout* on the attention probabilities: ``keep = dropout_keep_mask(seed, row, key)``,
+the counter-based hash of :mod:`kernels.matmul`, with ``row = (b * heads + h) *
+q_len + i``. The denominator ``l`` sums the probabilities before dropout.
+
+*Backward* (``custom_vjp``). The forward saves ``lse``; ``D = rowsum(dO * O)`` is one
+XLA reduction. Two kernels:
+
+* dk/dv: grid ``(batch, kv_heads, kv_len/block_kv, group * q_len/block_q)``; the
+  inner axis walks the q blocks of every q head in the group, so dk and dv are
+  summed over the GQA group in VMEM without races. It computes the transposed tile
+  ``s^T = k q^T`` (``block_kv x block_q``), which keeps every matmul in the MXU's
+  native form (``p^T dO``, ``v dO^T``, ``ds^T q``) and puts ``lse`` and ``D`` on the
+  lane axis, as stored.
+* dq: the forward's grid, ``dq += ds k``.
+
+Both skip the blocks the forward skips (the dk/dv index maps clamp the q block).
+
+*Estimates* (compiler estimates, libtpu's cost model): see the tables in
+``kernels/data/attention_blocks.json``, written by ``tools/tune_attention.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import tiling
+from kernels.backend import dispatch, target_chip
+from kernels.errors import KernelError, TilingError, check
+from kernels.matmul import dropout_keep_mask, dropout_seed
+
+__all__ = ["BlockSizes", "attention_reference", "default_block_sizes", "flash_attention"]
+
+LAYOUTS = ("BSHD", "BHSD")
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_NT = (((1,), (1,)), ((), ()))   # a @ b.T
+_NN = (((1,), (0,)), ((), ()))   # a @ b
+NEG_INF = -float("inf")
+
+
+# ---------------------------------------------------------------------------------
+# Block sizes
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the forward (``block_q x block_kv``) and of both backward kernels.
+
+  A block at least as long as its sequence becomes the whole sequence. Otherwise
+  ``block_kv`` (the lane axis of the score tile) and both backward blocks must be
+  multiples of 128, ``block_q`` a multiple of 8.
+  """
+
+  block_q: int = 512
+  block_kv: int = 512
+  block_q_bwd: int = 512
+  block_kv_bwd: int = 512
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+_TABLE_PATH = os.path.join(os.path.dirname(__file__), "data", "attention_blocks.json")
+_FALLBACK = BlockSizes()
+
+
+@functools.cache
+def _block_table() -> dict:
+  try:
+    with open(_TABLE_PATH, encoding="utf-8") as fh:
+      return json.load(fh).get("defaults", {})
+  except FileNotFoundError:
+    return {}
+
+
+def default_block_sizes(generation=None, dtype=jnp.bfloat16, head_dim: int = 128) -> BlockSizes:
+  """The shipped defaults for ``generation`` (None: v5e), from ``kernels/data/attention_blocks.json``."""
+  gen = generation or "v5e"
+  entry = _block_table().get(gen, {}).get(jnp.dtype(dtype).name)
+  if entry is None:
+    entry = _block_table().get(gen, {}).get("bfloat16")
+  if not entry:
+    return _FALLBACK
+  fields = {f.name for f in dataclasses.fields(BlockSizes)}
+  blocks = BlockSizes(**{k: v for k, v in entry.items() if k in fields})
+  if head_dim > 128 and jnp.dtype(dtype).itemsize == 4:  # f32 and a wide head: halve the tiles' VMEM
+    blocks = BlockSizes(*(max(128, b // 2) for b in dataclasses.astuple(blocks)))
+  return blocks
+
+
+# ---------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+  b: int
+  h: int
+  kvh: int
+  sq: int
+  skv: int
+  d: int
+  dtype: Any
+  layout: str
+  causal: bool
+  window: int | None
+  softcap: float | None
+  scale: float
+  segments: bool
+  mask_shape: tuple[int, int] | None   # (batch or 1, heads or 1) of the dense mask
+  bias_shape: tuple[int, int] | None
+  sinks: bool
+  dropout_rate: float
+
+  @property
+  def group(self) -> int:
+    return self.h // self.kvh
+
+  @property
+  def offset(self) -> int:
+    return self.skv - self.sq
+
+  @property
+  def skips(self) -> bool:
+    return self.causal or self.window is not None
+
+  @property
+  def always_masked(self) -> bool:
+    return self.segments or self.mask_shape is not None
+
+
+def _is_array(x):
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _validate(q, k, v, *, causal, segment_ids, sliding_window, logits_soft_cap, scale, bias, mask, sinks,
+              dropout_rate, dropout_key, layout) -> tuple[_Problem, Any, Any]:
+  check(layout in LAYOUTS, "layout", layout, f"must be one of {LAYOUTS}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check(_is_array(x), name, x, "must be an array")
+    check(x.ndim == 4, name, x, f"must have rank 4 ([batch, {'seq, heads' if layout == 'BSHD' else 'heads, seq'}, "
+          f"head_dim] for layout={layout!r}), got rank {x.ndim}")
+    check(jnp.dtype(x.dtype) in FLOAT_DTYPES, name, x,
+          f"dtype {jnp.dtype(x.dtype).name} is not supported; use bfloat16 or float32")
+  check(k.dtype == q.dtype, "k", k, f"must have q's dtype {jnp.dtype(q.dtype).name}")
+  check(v.dtype == q.dtype, "v", v, f"must have q's dtype {jnp.dtype(q.dtype).name}")
+  if layout == "BSHD":
+    (b, sq, h, d), (bk, skv, kvh, dk), (bv, sv, hv, dv) = q.shape, k.shape, v.shape
+  else:
+    (b, h, sq, d), (bk, kvh, skv, dk), (bv, hv, sv, dv) = q.shape, k.shape, v.shape
+  check(min(b, sq, h, d) > 0, "q", q, "every dimension must be positive")
+  check(bk == b, "k", k, f"batch {bk} differs from q's {b}")
+  check(dk == d, "k", k, f"head_dim {dk} differs from q's {d}")
+  check(skv > 0 and kvh > 0, "k", k, "every dimension must be positive")
+  check(h % kvh == 0, "k", k, f"kv heads ({kvh}) must divide q heads ({h}) (GQA/MQA)")
+  check((bv, sv, hv) == (b, skv, kvh), "v", v, f"must match k's batch, kv_len and kv heads {(b, skv, kvh)}")
+  check(dv == d, "v", v, f"head_dim {dv} differs from q's {d} (this kernel needs equal head dims)")
+  check(isinstance(causal, bool), "causal", causal, "must be a bool")
+
+  window = None
+  if sliding_window is not None:
+    check(isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool)
+          and sliding_window > 0, "sliding_window", sliding_window, "must be a positive int (or None)")
+    window = int(sliding_window)
+  softcap = None
+  if logits_soft_cap is not None:
+    check(isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0, "logits_soft_cap", logits_soft_cap,
+          "must be a positive number (or None)")
+    softcap = float(logits_soft_cap)
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale", scale, "must be a finite number")
+
+  seg_q = seg_kv = None
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      check(len(segment_ids) == 2, "segment_ids", segment_ids, "must be one array or a (q, kv) pair")
+      seg_q, seg_kv = segment_ids
+    else:
+      check(sq == skv, "segment_ids", segment_ids,
+            f"one array serves self-attention only (q_len {sq} != kv_len {skv}); pass (q_segment_ids, kv_segment_ids)")
+      seg_q = seg_kv = segment_ids
+    for x, n in ((seg_q, sq), (seg_kv, skv)):
+      check(_is_array(x) and tuple(x.shape) == (b, n), "segment_ids", x, f"must have shape {(b, n)} ([batch, seq])")
+      check(jnp.issubdtype(x.dtype, jnp.integer), "segment_ids", x, "must be an integer array")
+
+  def dense(name, x, floating):
+    if x is None:
+      return None
+    check(_is_array(x) and x.ndim == 4, name, x, f"must be a rank-4 array [batch or 1, heads or 1, {sq}, {skv}]")
+    ok = x.shape[0] in (1, b) and x.shape[1] in (1, h) and tuple(x.shape[2:]) == (sq, skv)
+    check(ok, name, x, f"must have shape [{b} or 1, {h} or 1, {sq}, {skv}] ([batch, heads, q_len, kv_len])")
+    if floating:
+      check(jnp.issubdtype(x.dtype, jnp.floating), name, x, "must be a floating-point array")
+    else:
+      check(x.dtype == jnp.bool_, name, x, "must be a boolean array (True = attend)")
+    return (int(x.shape[0]), int(x.shape[1]))
+
+  mask_shape = dense("mask", mask, False)
+  bias_shape = dense("bias", bias, True)
+  if sinks is not None:
+    check(_is_array(sinks) and tuple(sinks.shape) == (h,), "sinks", sinks, f"must have shape ({h},), one per q head")
+    check(jnp.issubdtype(sinks.dtype, jnp.floating), "sinks", sinks, "must be a floating-point array")
+  check(isinstance(dropout_rate, (int, float)) and 0 <= dropout_rate < 1, "dropout_rate", dropout_rate,
+        "must be a float in [0, 1)")
+  if dropout_rate:
+    check(dropout_key is not None, "dropout_key", dropout_key, "is required when dropout_rate > 0")
+    check(_is_array(dropout_key) and (jnp.issubdtype(dropout_key.dtype, jax.dtypes.prng_key)
+                                      or (dropout_key.dtype == jnp.uint32 and dropout_key.shape == (2,))),
+          "dropout_key", dropout_key, "must be a JAX PRNG key (jax.random.key or jax.random.PRNGKey)")
+  p = _Problem(b=int(b), h=int(h), kvh=int(kvh), sq=int(sq), skv=int(skv), d=int(d), dtype=jnp.dtype(q.dtype),
+               layout=layout, causal=causal, window=window, softcap=softcap, scale=float(scale),
+               segments=segment_ids is not None, mask_shape=mask_shape, bias_shape=bias_shape,
+               sinks=sinks is not None, dropout_rate=float(dropout_rate))
+  return p, seg_q, seg_kv
+
+
+# ---------------------------------------------------------------------------------
+# Masks, shared by the reference and the kernels
+# ---------------------------------------------------------------------------------
+
+
+def _visible(p: _Problem, qpos, kpos):
+  """Causal / window / kv-length visibility of key ``kpos`` to query ``qpos`` (broadcasting), or None."""
+  ok = None
+
+  def both(a, c):
+    return c if a is None else jnp.logical_and(a, c)
+  diag = qpos + p.offset
+  if p.causal:
+    ok = both(ok, kpos <= diag)
+  if p.window is not None:
+    ok = both(ok, diag - kpos < p.window)
+    if not p.causal:
+      ok = both(ok, kpos - diag < p.window)
+  return ok
+
+
+def _soft_cap(s, cap):
+  return s if cap is None else cap * jnp.tanh(s * (1.0 / cap))
+
+
+def _dropout_rows(p: _Problem, b, h, qpos):
+  """The dropout hash's row counter: one per (batch, head, query)."""
+  return (b * p.h + h) * p.sq + qpos
+
+
+# ---------------------------------------------------------------------------------
+# Reference (pure JAX)
+# ---------------------------------------------------------------------------------
+
+
+def _to_bhsd(x, layout):
+  return jnp.swapaxes(x, 1, 2) if layout == "BSHD" else x
+
+
+def _reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem):
+  """Canonical BHSD in, (out BHSD in q's dtype, lse [B, H, Sq] f32) out."""
+  q5 = q.reshape(p.b, p.kvh, p.group, p.sq, p.d)
+  s = jnp.einsum("bkgqd,bksd->bkgqs", q5, k, preferred_element_type=jnp.float32) * p.scale
+  s = _soft_cap(s, p.softcap)
+  s = s.reshape(p.b, p.h, p.sq, p.skv)
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  qpos = lax.broadcasted_iota(jnp.int32, (p.sq, p.skv), 0)
+  kpos = lax.broadcasted_iota(jnp.int32, (p.sq, p.skv), 1)
+  vis = _visible(p, qpos, kpos)
+  vis = jnp.ones((1, 1, p.sq, p.skv), bool) if vis is None else vis[None, None]
+  if seg_q is not None:
+    vis = vis & (seg_q[:, None, :, None] == seg_kv[:, None, None, :])
+  if mask is not None:
+    vis = vis & mask
+  s = jnp.where(vis, s, NEG_INF)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  if sinks is not None:
+    m = jnp.maximum(m, sinks.astype(jnp.float32)[None, :, None, None])
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.exp(s - m)
+  l = e.sum(axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sinks.astype(jnp.float32)[None, :, None, None] - m)
+  safe_l = jnp.where(l > 0, l, 1.0)
+  lse = jnp.where(l > 0, m + jnp.log(safe_l), NEG_INF)[..., 0]
+  probs = e / safe_l
+  if p.dropout_rate:
+    rows = _dropout_rows(p, lax.broadcasted_iota(jnp.int32, s.shape, 0), lax.broadcasted_iota(jnp.int32, s.shape, 1),
+                         lax.broadcasted_iota(jnp.int32, s.shape, 2))
+    keep = dropout_keep_mask(seed, rows, lax.broadcasted_iota(jnp.int32, s.shape, 3), p.dropout_rate)
+    probs = jnp.where(keep, probs * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+  probs = probs.astype(v.dtype).reshape(p.b, p.kvh, p.group, p.sq, p.skv)
+  out = jnp.einsum("bkgqs,bksd->bkgqd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(p.b, p.h, p.sq, p.d).astype(q.dtype), lse
+
+
+def _finish(out, lse, p: _Problem, return_residuals):
+  out = _to_bhsd(out, p.layout)  # BHSD -> the caller's layout (the swap is its own inverse)
+  return (out, lse) if return_residuals else out
+
+
+def attention_reference(q, k, v, *, causal=False, segment_ids=None, sliding_window=None, logits_soft_cap=None,
+                        scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
+                        layout="BSHD", return_residuals=False):
+  """Pure-JAX :func:`flash_attention`: the whole ``[q_len, kv_len]`` logit matrix in f32, same masks and dropout."""
+  p, seg_q, seg_kv = _validate(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, scale=scale, bias=bias, mask=mask, sinks=sinks,
+                               dropout_rate=dropout_rate, dropout_key=dropout_key, layout=layout)
+  seed = dropout_seed(dropout_key) if p.dropout_rate else None
+  out, lse = _reference(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), sinks, bias, seg_q, seg_kv,
+                        mask, seed, p=p)
+  return _finish(out, lse, p, return_residuals)
+
+
+# ---------------------------------------------------------------------------------
+# The Pallas kernels
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  bq: int
+  bkv: int
+  nq: int
+  nkv: int
+  inplace_bshd: bool     # BSHD read in place as [B, S, H*D]
+  vmem_limit: int | None
+
+
+def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
+  check(isinstance(block, (int, np.integer)) and block > 0, "block_sizes", blocks, f"{name} must be a positive int")
+  if block >= n:
+    return n
+  if block % multiple:
+    raise TilingError("block_sizes", blocks, f"{name}={block} must be a multiple of {multiple} "
+                      f"(or at least the sequence length {n})")
+  return int(block)
+
+
+def _vmem(p: _Problem, bq: int, bkv: int, nblocks_q: int, nblocks_kv: int, acc: int, blocks) -> int | None:
+  """VMEM limit for a kernel with ``nblocks_*`` pipelined (bq|bkv, D) tiles and ``acc`` f32 accumulators."""
+  d = p.d
+  pipelined = [((bq, d), p.dtype)] * nblocks_q + [((bkv, d), p.dtype)] * nblocks_kv
+  pipelined += [((bq, 1), jnp.float32)] * 2 + [((1, bkv), jnp.float32)]
+  if p.mask_shape or p.bias_shape:
+    pipelined += [((bq, bkv), jnp.float32)] * 2
+  # f32 accumulators, m / l, and the live (bq, bkv) f32 temporaries (scores, probabilities, dp, ds)
+  scratch = [((bq, d), jnp.float32)] * acc + [((bq, 128), jnp.float32)] * 2 + [((bq, bkv), jnp.float32)] * 4
+  footprint = tiling.vmem_footprint(pipelined, scratch=scratch)
+  chip = target_chip()
+  return tiling.vmem_limit(footprint, chip or "v5e", argument="block_sizes", value=blocks)
+
+
+def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
+  chip = target_chip()
+  if blocks is None:
+    blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.d)
+  inplace = p.layout == "BSHD" and p.d % 128 == 0
+  if backward:
+    bq = _fit(blocks.block_q_bwd, p.sq, 128, "block_q_bwd", blocks)
+    bkv = _fit(blocks.block_kv_bwd, p.skv, 128, "block_kv_bwd", blocks)
+    limit = _vmem(p, max(bq, bkv), max(bq, bkv), 2, 2, 2, blocks)
+  else:
+    bq = _fit(blocks.block_q, p.sq, tiling.sublane_multiple(p.dtype), "block_q", blocks)
+    bkv = _fit(blocks.block_kv, p.skv, 128, "block_kv", blocks)
+    limit = _vmem(p, bq, bkv, 2, 2, 1, blocks)
+  return _Plan(bq, bkv, tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv), inplace, limit)
+
+
+def _floor_div(x, n: int):
+  """floor(x / n) for traced int32 ``x`` >= -n (only -1 is needed below 0)."""
+  return jnp.where(x < 0, -1, lax.div(jnp.maximum(x, 0), n))
+
+
+def _kv_range(p: _Problem, bq: int, bkv: int, nkv: int, i):
+  """First and last kv block that q block ``i`` needs (last < first: none)."""
+  r0 = i * bq
+  r1 = jnp.minimum(i * bq + bq - 1, p.sq - 1)
+  lo, hi = jnp.int32(0), jnp.int32(nkv - 1)
+  if p.causal:
+    hi = jnp.minimum(hi, _floor_div(r1 + p.offset, bkv))
+  if p.window is not None:
+    lo = lax.div(jnp.maximum(r0 + p.offset - p.window + 1, 0), bkv)
+    if not p.causal:
+      hi = jnp.minimum(hi, _floor_div(r1 + p.offset + p.window - 1, bkv))
+  return lo, hi
+
+
+def _q_range(p: _Problem, bq: int, bkv: int, nq: int, j):
+  """First and last q block that kv block ``j`` is visible to (last < first: none)."""
+  c0 = j * bkv
+  c1 = jnp.minimum(j * bkv + bkv - 1, p.skv - 1)
+  lo, hi = jnp.int32(0), jnp.int32(nq - 1)
+  if p.causal:
+    lo = lax.div(jnp.maximum(c0 - p.offset, 0), bq)
+  if p.window is not None:
+    hi = jnp.minimum(hi, _floor_div(c1 + p.window - 1 - p.offset, bq))
+    if not p.causal:
+      lo = lax.div(jnp.maximum(c0 - p.offset - p.window + 1, 0), bq)
+  return jnp.minimum(lo, nq - 1), hi
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), jnp.maximum(hi, lo))
+
+
+def _full_block(p: _Problem, bq: int, bkv: int, i, j, q_tail: bool):
+  """True (traced) when every (query, key) pair of block (i, j) is visible: no masking needed.
+
+  ``q_tail``: also require the q block to lie inside q_len (the dk/dv kernel reads q rows
+  as columns, so the q tail must be masked there)."""
+  if p.always_masked:
+    return False
+  c0, c1 = j * bkv, j * bkv + bkv - 1
+  r0, r1 = i * bq, i * bq + bq - 1
+  conds = []
+  if p.skv % bkv:
+    conds.append(c1 < p.skv)
+  if q_tail and p.sq % bq:
+    conds.append(r1 < p.sq)
+  if p.causal:
+    conds.append(c1 <= r0 + p.offset)
+  if p.window is not None:
+    conds.append(c0 >= r1 + p.offset - p.window + 1)
+    if not p.causal:
+      conds.append(c1 <= r0 + p.offset + p.window - 1)
+  out = True
+  for c in conds:
+    out = jnp.logical_and(out, c)
+  return out
+
+
+def _zero_rows(x, valid):
+  """Zeroes rows ``valid..`` of a tile (they hold stale VMEM past the sequence's end)."""
+  keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < valid
+  return jnp.where(keep, x.astype(jnp.float32), 0.0).astype(x.dtype)
+
+
+def _branches(needed, full, step):
+  """Runs ``step(masked)`` under ``pl.when``: unmasked where the block is full, masked elsewhere.
+
+  ``needed`` and ``full`` are traced booleans or Python constants (no skipping / never full)."""
+  def when(cond, fn):
+    if cond is True:
+      fn()
+    elif cond is not False:
+      pl.when(cond)(fn)
+
+  def both(a, b):
+    if a is False or b is False:
+      return False
+    if a is True:
+      return b
+    return a if b is True else jnp.logical_and(a, b)
+  when(both(needed, full), lambda: step(False))
+  not_full = (not full) if isinstance(full, bool) else jnp.logical_not(full)
+  when(both(needed, not_full), lambda: step(True))
+
+
+def _scaled_q(q_ref, scale):
+  q = q_ref[...]
+  return (q.astype(jnp.float32) * scale).astype(q.dtype)
+
+
+class _Refs:
+  """Named access to a kernel's positional refs."""
+
+  def __init__(self, refs, names):
+    refs = list(refs)
+    assert len(refs) == len(names), (len(refs), names)
+    self.__dict__.update(zip(names, refs))
+
+
+def _visibility_tile(p, r, qpos, kpos, b, h, i_ids):
+  """The full visibility predicate of one tile (positions broadcast to the tile's orientation)."""
+  vis = _visible(p, qpos, kpos)
+  kv_ok = kpos < p.skv
+  vis = kv_ok if vis is None else jnp.logical_and(vis, kv_ok)
+  vis = jnp.logical_and(vis, qpos < p.sq)
+  if p.segments:
+    vis = jnp.logical_and(vis, r.segq[...] == r.segk[...])
+  if p.mask_shape is not None:
+    vis = jnp.logical_and(vis, r.mask[...] != 0)
+  return vis
+
+
+def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
+  r = _Refs(refs, names)
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+  bq, bkv = plan.bq, plan.bkv
+
+  @pl.when(j == 0)
+  def _init():
+    if p.sinks:
+      r.m[...] = jnp.full(r.m.shape, r.sinks[h], jnp.float32)
+      r.l[...] = jnp.ones(r.l.shape, jnp.float32)
+    else:
+      r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
+      r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
+    r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+
+  def step(masked: bool):
+    q = _scaled_q(r.q, p.scale)
+    k, v = r.k[...], r.v[...]
+    if masked and p.skv % bkv:
+      k = _zero_rows(k, p.skv - j * bkv)
+      v = _zero_rows(v, p.skv - j * bkv)
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    s = _soft_cap(s, p.softcap)
+    if p.bias_shape is not None:
+      s = s + r.bias[...].astype(jnp.float32)
+    qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    kpos = j * bkv + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+    if masked:
+      s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i), s, NEG_INF)
+    m_prev = r.m[...]
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    # a row with nothing visible yet keeps m = -inf: subtract 0 so exp gives 0, not NaN
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+    e = jnp.exp(s - m_use)
+    alpha = jnp.exp(m_prev - m_use)
+    r.l[...] = alpha * r.l[...] + e.sum(axis=1, keepdims=True)
+    if p.dropout_rate:
+      keep = dropout_keep_mask(r.seed[0], _dropout_rows(p, b, h, qpos), kpos, p.dropout_rate)
+      e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+    r.acc[...] = alpha * r.acc[...] + lax.dot_general(e.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+    r.m[...] = m_new
+
+  if p.skips:
+    lo, hi = _kv_range(p, bq, bkv, plan.nkv, i)
+    needed = jnp.logical_and(j >= lo, j <= hi)
+  else:
+    needed = True
+  _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=False), step)
+
+  @pl.when(j == plan.nkv - 1)
+  def _finish():
+    l = r.l[...]
+    r.o[...] = (r.acc[...] / jnp.where(l > 0, l, 1.0)).astype(r.o.dtype)
+    r.lse[...] = jnp.where(l > 0, r.m[...] + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
+
+
+def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
+  r = _Refs(refs, names)
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+  bq, bkv = plan.bq, plan.bkv
+
+  @pl.when(j == 0)
+  def _init():
+    r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+
+  def step(masked: bool):
+    q = _scaled_q(r.q, p.scale)
+    k, v, do = r.k[...], r.v[...], r.do[...]
+    if masked and p.skv % bkv:
+      k = _zero_rows(k, p.skv - j * bkv)
+      v = _zero_rows(v, p.skv - j * bkv)
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    t = None
+    if p.softcap is not None:
+      t = jnp.tanh(s * (1.0 / p.softcap))
+      s = p.softcap * t
+    if p.bias_shape is not None:
+      s = s + r.bias[...].astype(jnp.float32)
+    qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    kpos = j * bkv + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+    if masked:
+      s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i), s, NEG_INF)
+    e = jnp.exp(s - r.lse[...])   # lse of a row with nothing visible is +inf here (see f_bwd): e = 0
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    if p.dropout_rate:
+      keep = dropout_keep_mask(r.seed[0], _dropout_rows(p, b, h, qpos), kpos, p.dropout_rate)
+      dp = jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+    ds = e * (dp - r.delta[...])
+    if p.bias_shape is not None:
+      r.dbias[...] = ds
+    if t is not None:
+      ds = ds * (1.0 - t * t)
+    r.acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+
+  if p.skips:
+    lo, hi = _kv_range(p, bq, bkv, plan.nkv, i)
+    needed = jnp.logical_and(j >= lo, j <= hi)
+    if p.bias_shape is not None:  # the bias gradient tile of a skipped block is zero
+      @pl.when(jnp.logical_not(needed))
+      def _zero():
+        r.dbias[...] = jnp.zeros(r.dbias.shape, r.dbias.dtype)
+  else:
+    needed = True
+  _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=False), step)
+
+  @pl.when(j == plan.nkv - 1)
+  def _finish():
+    r.dq[...] = (r.acc[...] * p.scale).astype(r.dq.dtype)
+
+
+def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
+  r = _Refs(refs, names)
+  b, kh, j, t = (pl.program_id(a) for a in range(4))
+  h = kh * p.group + lax.div(t, plan.nq)
+  i = lax.rem(t, plan.nq)
+  bq, bkv = plan.bq, plan.bkv
+
+  @pl.when(t == 0)
+  def _init():
+    r.dk_acc[...] = jnp.zeros(r.dk_acc.shape, jnp.float32)
+    r.dv_acc[...] = jnp.zeros(r.dv_acc.shape, jnp.float32)
+
+  def step(masked: bool):
+    q = _scaled_q(r.q, p.scale)
+    k, v, do = r.k[...], r.v[...], r.do[...]
+    if masked and p.sq % bq:
+      q = _zero_rows(q, p.sq - i * bq)
+      do = _zero_rows(do, p.sq - i * bq)
+    st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)   # (bkv, bq): s transposed
+    tt = None
+    if p.softcap is not None:
+      tt = jnp.tanh(st * (1.0 / p.softcap))
+      st = p.softcap * tt
+    if p.bias_shape is not None:
+      st = st + r.bias[...].astype(jnp.float32)
+    qpos = i * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
+    kpos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
+    vis = _visibility_tile(p, r, qpos, kpos, b, h, i) if masked else None
+    if masked:
+      st = jnp.where(vis, st, NEG_INF)
+    et = jnp.exp(st - r.lse[...])
+    keep = None
+    if p.dropout_rate:
+      keep = dropout_keep_mask(r.seed[0], _dropout_rows(p, b, h, qpos), kpos, p.dropout_rate)
+      pd = jnp.where(keep, et * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+    else:
+      pd = et
+    r.dv_acc[...] += lax.dot_general(pd.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
+    dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+    if keep is not None:
+      dpt = jnp.where(keep, dpt * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+    dst = et * (dpt - r.delta[...])
+    if tt is not None:
+      dst = dst * (1.0 - tt * tt)
+    r.dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+
+  if p.skips:
+    lo, hi = _q_range(p, bq, bkv, plan.nq, j)
+    needed = jnp.logical_and(i >= lo, i <= hi)
+  else:
+    needed = True
+  _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=True), step)
+
+  @pl.when(t == p.group * plan.nq - 1)
+  def _finish():
+    r.dk[...] = r.dk_acc[...].astype(r.dk.dtype)
+    r.dv[...] = r.dv_acc[...].astype(r.dv.dtype)
+
+
+# --- specs ---------------------------------------------------------------------------
+
+
+def _seq_spec(plan: _Plan, block: int, d: int, fn):
+  """BlockSpec of a q/k/v-like operand: ``fn(*grid ids) -> (batch, head, seq block)``.
+
+  Native BHSD arrays take a (block, D) tile of [B, H, S, D]; BSHD read in place is
+  [B, S, H*D] and head h is the h-th D-wide column block."""
+  sq = pl.squeezed
+  if plan.inplace_bshd:
+    return pl.BlockSpec((sq, block, d), lambda *g: (lambda b, h, s: (b, s, h))(*fn(*g)))
+  return pl.BlockSpec((sq, sq, block, d), lambda *g: (lambda b, h, s: (b, h, s, 0))(*fn(*g)))
+
+
+def _in_layout(x, p: _Problem, plan: _Plan):
+  """The caller's array as the kernel reads it (a free reshape, or an XLA transpose to BHSD)."""
+  if p.layout == "BHSD":
+    return x
+  if plan.inplace_bshd:
+    return x.reshape(x.shape[0], x.shape[1], -1)
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _out_layout(x, p: _Problem, plan: _Plan, heads: int):
+  if p.layout == "BHSD":
+    return x
+  if plan.inplace_bshd:
+    return x.reshape(x.shape[0], x.shape[1], heads, p.d)
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _seq_shape(p: _Problem, plan: _Plan, heads: int, seq: int):
+  return (p.b, seq, heads * p.d) if plan.inplace_bshd else (p.b, heads, seq, p.d)
+
+
+def _dense_block(p: _Problem, shape, bq: int, bkv: int, fn, transposed=False):
+  """BlockSpec of a dense mask / bias ``[Bm, Hm, Sq, Skv]`` (``[Bm, Hm, Skv, Sq]`` transposed)."""
+  bm, hm = shape
+
+  def index(*g):
+    b, h, i, j = fn(*g)
+    bb = b if bm > 1 else 0
+    hh = h if hm > 1 else 0
+    return (bb, hh, j, i) if transposed else (bb, hh, i, j)
+  sq = pl.squeezed
+  return pl.BlockSpec((sq, sq, bkv, bq) if transposed else (sq, sq, bq, bkv), index)
+
+
+def _prefetch(p: _Problem, seed, sinks):
+  args, names = [], []
+  if p.dropout_rate:
+    args.append(seed.reshape(1))
+    names.append("seed")
+  if p.sinks:
+    args.append(sinks.astype(jnp.float32))
+    names.append("sinks")
+  return args, names
+
+
+def _compiler_params(plan: _Plan):
+  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                              vmem_limit_bytes=plan.vmem_limit)
+
+
+def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, interpret):
+  """q, k, v in the kernel's layout -> (out in that layout, lse [B, H, Sq] f32)."""
+  bq, bkv, nkv = plan.bq, plan.bkv, plan.nkv
+  G = p.group
+
+  def kv_j(i, j):
+    if not p.skips:
+      return j
+    lo, hi = _kv_range(p, bq, bkv, nkv, i)
+    return _clamp(j, lo, hi)
+
+  def ids(*g):
+    b, h, i, j = g[:4]
+    return b, h, i, kv_j(i, j)
+
+  prefetch, names = _prefetch(p, seed, sinks)
+  in_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
+              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
+              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3]))]
+  args = [q, k, v]
+  names += ["q", "k", "v"]
+  sq = pl.squeezed
+  if p.segments:
+    in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], g[2], 0)),
+                 pl.BlockSpec((sq, 1, bkv), lambda *g: (g[0], 0, ids(*g)[3]))]
+    args += [seg_q.astype(jnp.int32).reshape(p.b, p.sq, 1), seg_kv.astype(jnp.int32).reshape(p.b, 1, p.skv)]
+    names += ["segq", "segk"]
+  if p.mask_shape is not None:
+    in_specs.append(_dense_block(p, p.mask_shape, bq, bkv, ids))
+    args.append(mask.astype(jnp.int8))
+    names.append("mask")
+  if p.bias_shape is not None:
+    in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, ids))
+    args.append(bias)
+    names.append("bias")
+  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
+               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
+  out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype),
+               jax.ShapeDtypeStruct((p.b, p.h, p.sq, 1), jnp.float32)]
+  names += ["o", "lse", "m", "l", "acc"]
+  scratch = [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, p.d), jnp.float32)]
+  grid = (p.b, p.h, plan.nq, nkv)
+  frac = 0.5 if p.causal else 1.0
+  isz = p.dtype.itemsize
+  cost = pl.CostEstimate(flops=int(4 * p.b * p.h * p.sq * p.skv * p.d * frac),
+                         transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
+                         bytes_accessed=int(isz * (2 * q.size + k.size + v.size)))
+  call = pl.pallas_call(
+      functools.partial(_fwd_kernel, p=p, plan=plan, names=names),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
+      name="flash_attention_fwd")
+  out, lse = call(*prefetch, *args)
+  return out, lse.reshape(p.b, p.h, p.sq)
+
+
+def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *, p: _Problem, plan: _Plan,
+                     interpret):
+  """Returns dq, dk, dv (kernel layout) and dlogits [B, H, Sq, Skv] f32 when there is a bias."""
+  bq, bkv, nq, nkv = plan.bq, plan.bkv, plan.nq, plan.nkv
+  G = p.group
+  sq = pl.squeezed
+  isz = p.dtype.itemsize
+  frac = 0.5 if p.causal else 1.0
+
+  # --- dq: the forward's grid -------------------------------------------------------
+  def kv_j(i, j):
+    if not p.skips:
+      return j
+    lo, hi = _kv_range(p, bq, bkv, nkv, i)
+    return _clamp(j, lo, hi)
+
+  def ids(*g):
+    b, h, i, j = g[:4]
+    return b, h, i, kv_j(i, j)
+
+  prefetch, names = _prefetch(p, seed, sinks)
+  in_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
+              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
+              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
+              _seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
+              pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0)),
+              pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
+  sq_pad = lse.shape[-1]   # lse and delta come padded to whole q blocks
+  args = [q, k, v, do, lse.reshape(p.b, p.h, sq_pad, 1), delta.reshape(p.b, p.h, sq_pad, 1)]
+  names += ["q", "k", "v", "do", "lse", "delta"]
+  if p.segments:
+    in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], g[2], 0)),
+                 pl.BlockSpec((sq, 1, bkv), lambda *g: (g[0], 0, ids(*g)[3]))]
+    args += [seg_q.astype(jnp.int32).reshape(p.b, p.sq, 1), seg_kv.astype(jnp.int32).reshape(p.b, 1, p.skv)]
+    names += ["segq", "segk"]
+  if p.mask_shape is not None:
+    in_specs.append(_dense_block(p, p.mask_shape, bq, bkv, ids))
+    args.append(mask.astype(jnp.int8))
+    names.append("mask")
+  if p.bias_shape is not None:
+    in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, ids))
+    args.append(bias)
+    names.append("bias")
+  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2]))]
+  out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype)]
+  names.append("dq")
+  if p.bias_shape is not None:
+    out_specs.append(pl.BlockSpec((sq, sq, bq, bkv), lambda *g: (g[0], g[1], g[2], g[3])))
+    out_shape.append(jax.ShapeDtypeStruct((p.b, p.h, p.sq, p.skv), jnp.float32))
+    names.append("dbias")
+  names.append("acc")
+  cost = pl.CostEstimate(flops=int(6 * p.b * p.h * p.sq * p.skv * p.d * frac),
+                         transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
+                         bytes_accessed=int(isz * (3 * q.size + k.size + v.size)))
+  call = pl.pallas_call(
+      functools.partial(_dq_kernel, p=p, plan=plan, names=names),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=(p.b, p.h, nq, nkv),
+                                             in_specs=in_specs, out_specs=out_specs,
+                                             scratch_shapes=[pltpu.VMEM((bq, p.d), jnp.float32)]),
+      out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
+      name="flash_attention_dq")
+  outs = call(*prefetch, *args)
+  dq = outs[0]
+  dlogits = outs[1] if p.bias_shape is not None else None
+
+  # --- dk, dv: grid (batch, kv head, kv block, group x q block) ----------------------
+  def q_i(j, t):
+    i = lax.rem(t, nq)
+    if not p.skips:
+      return i
+    lo, hi = _q_range(p, bq, bkv, nq, j)
+    return _clamp(i, lo, hi)
+
+  def qids(*g):  # -> (b, q head, i, j)
+    b, kh, j, t = g[:4]
+    return b, kh * G + lax.div(t, nq), q_i(j, t), j
+
+  prefetch, names = _prefetch(p, seed, sinks)
+  in_specs = [_seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
+              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2])),
+              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2])),
+              _seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
+              pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, h, 0, i))(*qids(*g))),
+              pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, h, 0, i))(*qids(*g)))]
+  args = [q, k, v, do, lse.reshape(p.b, p.h, 1, sq_pad), delta.reshape(p.b, p.h, 1, sq_pad)]
+  names += ["q", "k", "v", "do", "lse", "delta"]
+  if p.segments:
+    in_specs += [pl.BlockSpec((sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, 0, i))(*qids(*g))),
+                 pl.BlockSpec((sq, bkv, 1), lambda *g: (g[0], g[2], 0))]
+    args += [seg_q.astype(jnp.int32).reshape(p.b, 1, p.sq), seg_kv.astype(jnp.int32).reshape(p.b, p.skv, 1)]
+    names += ["segq", "segk"]
+  if p.mask_shape is not None:
+    in_specs.append(_dense_block(p, p.mask_shape, bq, bkv, qids, transposed=True))
+    args.append(jnp.swapaxes(mask, 2, 3).astype(jnp.int8))
+    names.append("mask")
+  if p.bias_shape is not None:
+    in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, qids, transposed=True))
+    args.append(jnp.swapaxes(bias, 2, 3))
+    names.append("bias")
+  kv_spec = _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2]))
+  kv_shape = jax.ShapeDtypeStruct(_seq_shape(p, plan, p.kvh, p.skv), p.dtype)
+  names += ["dk", "dv", "dk_acc", "dv_acc"]
+  cost = pl.CostEstimate(flops=int(8 * p.b * p.h * p.sq * p.skv * p.d * frac),
+                         transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
+                         bytes_accessed=int(isz * (2 * q.size + 2 * k.size + 2 * v.size)))
+  call = pl.pallas_call(
+      functools.partial(_dkv_kernel, p=p, plan=plan, names=names),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(prefetch), grid=(p.b, p.kvh, nkv, G * nq), in_specs=in_specs,
+          out_specs=[kv_spec, kv_spec],
+          scratch_shapes=[pltpu.VMEM((bkv, p.d), jnp.float32), pltpu.VMEM((bkv, p.d), jnp.float32)]),
+      out_shape=[kv_shape, kv_shape], compiler_params=_compiler_params(plan), cost_estimate=cost,
+      interpret=interpret, name="flash_attention_dkv")
+  dk, dv = call(*prefetch, *args)
+  return dq, dk, dv, dlogits
+
+
+def _float0(x):
+  return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, blocks, interpret):
+  """Caller-layout q, k, v -> (out in the caller's layout, lse); differentiable (custom_vjp)."""
+  fplan = _plan(p, blocks, backward=False)
+
+  def forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
+    out, lse = _pallas_forward(_in_layout(q, p, fplan), _in_layout(k, p, fplan), _in_layout(v, p, fplan), sinks,
+                               bias, seg_q, seg_kv, mask, seed, p=p, plan=fplan, interpret=interpret)
+    return _out_layout(out, p, fplan, p.h), lse
+
+  @jax.custom_vjp
+  def f(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
+    return forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed)
+
+  def f_fwd(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
+    out, lse = forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed)
+    return (out, lse), (q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse)
+
+  def f_bwd(res, cts):
+    q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse = res
+    do, _ = cts  # the lse output is a residual for callers, not differentiated
+    bplan = _plan(p, blocks, backward=True)
+    # A row with nothing visible has lse = -inf; as +inf, exp(s - lse) is 0 for its (masked, -inf) logits.
+    # lse and delta are padded to whole q blocks (+inf, 0), so the dk/dv kernel, which reads them
+    # along lanes, never sees stale VMEM past q_len (0 * NaN would reach dk and dv).
+    pad = ((0, 0), (0, 0), (0, bplan.nq * bplan.bq - p.sq))
+    lse = jnp.pad(jnp.where(lse == NEG_INF, jnp.inf, lse), pad, constant_values=jnp.inf)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)   # [B, H, Sq] or [B, Sq, H]
+    if p.layout == "BSHD":
+      delta = jnp.swapaxes(delta, 1, 2)
+    delta = jnp.pad(delta, pad)
+    dq, dk, dv, dlogits = _pallas_backward(
+        _in_layout(q, p, bplan), _in_layout(k, p, bplan), _in_layout(v, p, bplan), sinks, bias, seg_q, seg_kv, mask,
+        seed, lse, delta, _in_layout(do.astype(p.dtype), p, bplan), p=p, plan=bplan, interpret=interpret)
+    dq, dk, dv = _out_layout(dq, p, bplan, p.h), _out_layout(dk, p, bplan, p.kvh), _out_layout(dv, p, bplan, p.kvh)
+    dsinks = dbias = None
+    if sinks is not None:  # d lse_i / d sink = exp(sink - lse_i); d out_i / d sink = -out_i * that
+      w = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)   # 0 on the padding
+      dsinks = (-(w * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+    if bias is not None:
+      axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
+      dbias = (dlogits.sum(axis=axes, keepdims=True) if axes else dlogits).astype(bias.dtype)
+    return dq, dk, dv, dsinks, dbias, _float0(seg_q), _float0(seg_kv), _float0(mask), _float0(seed)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed)
+
+
+def _check_blocks(block_sizes):
+  if block_sizes is None or isinstance(block_sizes, BlockSizes):
+    return block_sizes
+  if isinstance(block_sizes, (tuple, list)) and len(block_sizes) in (2, 4):
+    return BlockSizes(*block_sizes) if len(block_sizes) == 4 else BlockSizes(*block_sizes, *block_sizes)
+  raise KernelError("block_sizes", block_sizes,
+                    "must be None, a BlockSizes or a (block_q, block_kv[, block_q_bwd, block_kv_bwd]) tuple")
+
+
+def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=None, logits_soft_cap=None,
+                    scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
+                    layout="BSHD", return_residuals=False, block_sizes=None, implementation=None, interpret=None):
+  """Multi-head attention ``softmax(mask(cap(scale * q k^T) + bias)) v`` without the score matrix in HBM.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]`` (``layout="BSHD"``, as ``jax.nn.dot_product_attention``)
+      or ``[batch, heads, q_len, head_dim]`` (``layout="BHSD"``); bfloat16 or float32.
+    k, v: ``[batch, kv_len, kv_heads, head_dim]`` (or BHSD), q's dtype; ``kv_heads`` divides
+      ``heads`` (GQA / MQA: q head ``h`` uses kv head ``h // (heads // kv_heads)``).
+    causal: query ``i`` sees keys ``j <= i + kv_len - q_len`` (the last query aligns with the last key).
+    segment_ids: ``[batch, seq]`` ints (self-attention) or a pair ``(q_ids [batch, q_len],
+      kv_ids [batch, kv_len])``; attention only within equal ids.
+    sliding_window: ``W``; with ``causal`` a query sees itself and the ``W - 1`` keys before it,
+      without ``causal`` the keys within distance ``W - 1`` on either side of its diagonal.
+    logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)`` (after scaling, before bias).
+    scale: multiplies ``q k^T``; default ``1 / sqrt(head_dim)``.
+    bias: additive float ``[batch or 1, heads or 1, q_len, kv_len]``, differentiable (read per block: slower).
+    mask: boolean ``[batch or 1, heads or 1, q_len, kv_len]``, True = attend.
+    sinks: ``[heads]`` learned logits that join each row's softmax denominator (no value), differentiable.
+    dropout_rate, dropout_key: dropout on the attention probabilities, the mask a hash of
+      ``(seed, batch, head, query, key)`` that :func:`attention_reference` reproduces exactly.
+    layout: ``"BSHD"`` or ``"BHSD"`` (for q, k, v and the output).
+    return_residuals: also return ``lse`` ``[batch, heads, q_len]`` f32, the log of each row's softmax
+      denominator (``-inf`` for a row with no visible key and no sink).
+    block_sizes: a :class:`BlockSizes`; None uses the per-generation defaults.
+    implementation, interpret: see :func:`kernels.dispatch`.
+
+  Returns:
+    The output in q's layout and dtype (and ``lse`` with ``return_residuals``). Rows that see no key
+    are 0. Differentiable in q, k, v, bias and sinks.
+
+  Raises:
+    KernelError: bad input, naming the argument, before anything is lowered.
+  """
+  p, seg_q, seg_kv = _validate(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, scale=scale, bias=bias, mask=mask, sinks=sinks,
+                               dropout_rate=dropout_rate, dropout_key=dropout_key, layout=layout)
+  check(isinstance(return_residuals, bool), "return_residuals", return_residuals, "must be a bool")
+  blocks = _check_blocks(block_sizes)
+  seed = dropout_seed(dropout_key) if p.dropout_rate else None
+
+  def xla(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
+    out, lse = _reference(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), sinks, bias, seg_q, seg_kv,
+                          mask, seed, p=p)
+    return _to_bhsd(out, layout), lse
+
+  def pallas(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, interpret):
+    return _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, blocks=blocks, interpret=interpret)
+
+  out, lse = dispatch("flash_attention", q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, pallas=pallas, xla=xla,
+                      implementation=implementation, interpret=interpret)
+  return (out, lse) if return_residuals else out

@@ -1,0 +1,325 @@
+"""kernels.attention: the Pallas flash attention against its pure-JAX reference.
+
+Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU,
+on small problems (seq 100-300, 1-4 heads) with 128-wide blocks, so the grids have
+several q and kv blocks, partial tail blocks, diagonal blocks and skipped blocks.
+
+Oracles: :func:`attention_reference` (the whole logit matrix in f32, the same
+masks), checked itself against ``jax.nn.dot_product_attention`` where that API
+covers the case; gradients against ``jax.vjp`` of the reference.
+
+Tolerances: f32 in and out: the online softmax sums in another order than the
+reference, 2e-5 absolute (outputs O(1)); bf16: both cast the probabilities to bf16
+before ``p @ v`` and round the output once, but the kernel folds the scale into q
+(one extra bf16 rounding of q), so 2e-2 absolute. Gradients: f32, 1e-4 relative
+to the largest entry.
+"""
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+import kernels
+
+# The module (flash_attention the function is exported from kernels/__init__.py).
+att = importlib.import_module("kernels.attention")
+BlockSizes = att.BlockSizes
+SMALL = BlockSizes(128, 128, 128, 128)
+ATOL = {"float32": 2e-5, "bfloat16": 2e-2}
+GRAD_RTOL = 1e-4
+
+
+def rand(shape, dtype=jnp.float32, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def qkv(b=1, sq=300, skv=None, h=2, kvh=1, d=64, dtype=jnp.float32, layout="BSHD", seed=0):
+  skv = sq if skv is None else skv
+  def shape(s, n):
+    return (b, s, n, d) if layout == "BSHD" else (b, n, s, d)
+  return rand(shape(sq, h), dtype, seed), rand(shape(skv, kvh), dtype, seed + 1), rand(shape(skv, kvh), dtype, seed + 2)
+
+
+def run(q, k, v, interpret=True, **kw):
+  kw.setdefault("block_sizes", SMALL)
+  return att.flash_attention(q, k, v, implementation="pallas", interpret=interpret, **kw)
+
+
+def close(out, ref, dtype=jnp.float32):
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=ATOL[jnp.dtype(dtype).name],
+                             rtol=0)
+
+
+def grads_close(kw, q, k, v, extra=(), argnums=(0, 1, 2), blocks=SMALL):
+  """Gradients of a fixed random projection of the output: kernel VJP vs the reference's."""
+  ct = None
+
+  def loss(f):
+    def g(*args):
+      out = f(*args[:3], **dict(kw, **dict(zip([n for n, _ in extra], args[3:]))))
+      w = jnp.asarray(np.random.default_rng(9).standard_normal(out.shape), jnp.float32)
+      return (out.astype(jnp.float32) * w).sum()
+    return g
+  args = (q, k, v) + tuple(x for _, x in extra)
+  ours = jax.grad(loss(lambda *a, **k2: run(*a, block_sizes=blocks, **k2)), argnums=argnums)(*args)
+  ref = jax.grad(loss(att.attention_reference), argnums=argnums)(*args)
+  for a, b in zip(ours, ref):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, atol=GRAD_RTOL * max(1.0, np.abs(b).max()), rtol=0)
+  del ct
+
+
+# --- the reference itself ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_matches_jax_nn(causal):
+  q, k, v = qkv(sq=200, h=4, kvh=2, d=64)
+  ref = att.attention_reference(q, k, v, causal=causal)
+  expected = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  np.testing.assert_allclose(ref, expected, atol=2e-5)
+
+
+# --- forward ----------------------------------------------------------------------------
+
+FEATURES = [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, sliding_window=100),
+    dict(sliding_window=70),                       # symmetric band without causal
+    dict(causal=True, logits_soft_cap=3.0, scale=0.3),
+]
+
+
+@pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
+@pytest.mark.parametrize("kw", FEATURES, ids=lambda kw: ",".join(kw) or "plain")
+def test_forward_features(kw, layout):
+  q, k, v = qkv(sq=300, h=2, kvh=1, d=64, layout=layout)
+  out, lse = run(q, k, v, layout=layout, return_residuals=True, **kw)
+  ref, ref_lse = att.attention_reference(q, k, v, layout=layout, return_residuals=True, **kw)
+  assert out.shape == q.shape and lse.shape == (1, 2, 300) and lse.dtype == jnp.float32
+  close(out, ref)
+  close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("sq,skv,h,kvh,d", [
+    (256, 256, 4, 4, 128),    # MHA, head_dim 128: BSHD read in place
+    (200, 300, 4, 1, 96),     # MQA, cross-attention, odd head_dim
+    (3, 260, 2, 2, 80),       # decode: a few queries against a longer cache
+    (300, 130, 2, 1, 64),     # more queries than keys: causal rows before the cache see nothing
+])
+def test_odd_shapes_gqa_and_cross_attention(sq, skv, h, kvh, d):
+  q, k, v = qkv(sq=sq, skv=skv, h=h, kvh=kvh, d=d)
+  for causal in (False, True):
+    out, lse = run(q, k, v, causal=causal, return_residuals=True)
+    ref, ref_lse = att.attention_reference(q, k, v, causal=causal, return_residuals=True)
+    close(out, ref)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+  if sq > skv:  # causal rows i < sq - skv have no key: output 0, lse -inf
+    assert np.all(np.asarray(out)[:, :sq - skv] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, :sq - skv]))
+
+
+def test_bf16():
+  q, k, v = qkv(sq=256, h=4, kvh=2, d=128, dtype=jnp.bfloat16)
+  for kw in ({}, dict(causal=True, sliding_window=64)):
+    out = run(q, k, v, **kw)
+    assert out.dtype == jnp.bfloat16
+    close(out, att.attention_reference(q, k, v, **kw), jnp.bfloat16)
+
+
+def test_segments_and_fully_masked_rows():
+  q, k, v = qkv(b=2, sq=260, h=2, kvh=1)
+  seg = np.repeat(np.arange(4), 65)[None].repeat(2, 0)
+  seg[1, :100] = 7
+  seg = jnp.asarray(seg, jnp.int32)
+  close(run(q, k, v, segment_ids=seg, causal=True), att.attention_reference(q, k, v, segment_ids=seg, causal=True))
+  # cross-attention segments where some queries match no key: zero rows, zero gradients
+  kv_seg = jnp.asarray(np.repeat(np.arange(2), 130)[None].repeat(2, 0), jnp.int32)
+  q_seg = jnp.asarray(np.repeat(np.arange(4), 65)[None].repeat(2, 0), jnp.int32)
+  kw = dict(segment_ids=(q_seg, kv_seg))
+  out, lse = run(q, k, v, return_residuals=True, **kw)
+  close(out, att.attention_reference(q, k, v, **kw))
+  dead = np.asarray(q_seg) >= 2
+  assert np.all(np.asarray(out)[dead] == 0) and np.all(np.isneginf(np.asarray(lse).transpose(0, 2, 1)[dead]))
+  dq = jax.grad(lambda q: run(q, k, v, **kw).sum())(q)
+  assert np.isfinite(np.asarray(dq)).all() and np.all(np.asarray(dq)[dead] == 0)
+
+
+def test_mask_bias_and_sinks():
+  q, k, v = qkv(sq=200, skv=260, h=2, kvh=1)
+  mask = jnp.asarray(np.random.default_rng(3).random((1, 2, 200, 260)) < 0.7).at[0, 0, 5].set(False)
+  bias = rand((2, 1, 200, 260), seed=4)
+  q2, k2, v2 = (jnp.concatenate([x, x], 0) for x in (q, k, v))
+  sinks = jnp.asarray([0.5, -1.0])
+  kw = dict(mask=mask, bias=bias, sinks=sinks, causal=True)
+  out, lse = run(q2, k2, v2, return_residuals=True, **kw)
+  ref, ref_lse = att.attention_reference(q2, k2, v2, return_residuals=True, **kw)
+  close(out, ref)
+  close(lse, ref_lse)
+  # sinks: a row that sees nothing has output 0 and lse = sink
+  out = run(q, k, v, mask=mask, sinks=sinks)
+  assert np.all(np.asarray(out)[0, 5, 0] == 0)
+
+
+def test_dropout_is_exactly_the_reference():
+  q, k, v = qkv(b=2, sq=256, h=2, kvh=1)
+  kw = dict(dropout_rate=0.3, dropout_key=jax.random.key(7), causal=True)
+  out = run(q, k, v, **kw)
+  close(out, att.attention_reference(q, k, v, **kw))
+  plain = att.attention_reference(q, k, v, causal=True)
+  assert np.abs(np.asarray(out) - np.asarray(plain)).max() > 0.1  # dropout did something
+  other = run(q, k, v, **dict(kw, dropout_key=jax.random.key(8)))
+  assert np.abs(np.asarray(out) - np.asarray(other)).max() > 0.1
+  grads_close(kw, q, k, v)
+
+
+def test_stale_vmem_never_reaches_outputs():
+  # interpret mode that fills uninitialised VMEM and out-of-bounds reads with NaN
+  params = pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+  q, k, v = qkv(sq=200, skv=300, h=2, kvh=1)
+  kw = dict(causal=True)
+  out = run(q, k, v, interpret=params, **kw)
+  close(out, att.attention_reference(q, k, v, **kw))
+  g = jax.grad(lambda q, k, v: run(q, k, v, interpret=params, **kw).sum(), argnums=(0, 1, 2))(q, k, v)
+  assert all(np.isfinite(np.asarray(x)).all() for x in g)
+
+
+def test_no_races():
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+  q, k, v = qkv(sq=256, h=2, kvh=1)
+  params = pltpu.InterpretParams(detect_races=True)
+  out = run(q, k, v, interpret=params, causal=True)
+  assert ipc.races is not None and not ipc.races.races_found
+  jax.grad(lambda q, k, v: run(q, k, v, interpret=params, causal=True).sum(), argnums=(0, 1, 2))(q, k, v)
+  assert ipc.races is not None and not ipc.races.races_found
+  close(out, att.attention_reference(q, k, v, causal=True))
+
+
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(sq=st.integers(1, 300), skv=st.integers(1, 300), group=st.sampled_from([1, 2]), d=st.sampled_from([64, 128]),
+       causal=st.booleans(), window=st.sampled_from([None, 50, 200]), bq=st.sampled_from([64, 128]))
+def test_hypothesis_shapes(sq, skv, group, d, causal, window, bq):
+  q, k, v = qkv(sq=sq, skv=skv, h=group, kvh=1, d=d, seed=sq + skv)
+  kw = dict(causal=causal, sliding_window=window)
+  close(run(q, k, v, block_sizes=BlockSizes(bq, 128, 128, 128), **kw), att.attention_reference(q, k, v, **kw))
+
+
+def test_xla_implementation_is_the_reference():
+  q, k, v = qkv(sq=100)
+  np.testing.assert_array_equal(att.flash_attention(q, k, v, causal=True, implementation="xla"),
+                                att.attention_reference(q, k, v, causal=True))
+  np.testing.assert_array_equal(att.flash_attention(q, k, v), att.attention_reference(q, k, v))  # CPU: XLA
+
+
+# --- backward ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,shape", [
+    (dict(), dict(sq=300, h=2, kvh=1, d=64)),
+    (dict(causal=True), dict(sq=300, h=4, kvh=2, d=128)),
+    (dict(causal=True, sliding_window=90, logits_soft_cap=2.0), dict(sq=256, skv=300, h=2, kvh=1, d=64)),
+    (dict(sliding_window=60), dict(sq=200, skv=140, h=2, kvh=2, d=80, layout="BHSD")),
+], ids=["plain", "causal-gqa", "window-softcap-cross", "band-bhsd"])
+def test_gradients(kw, shape):
+  layout = shape.get("layout", "BSHD")
+  q, k, v = qkv(**shape)
+  grads_close(dict(kw, layout=layout), q, k, v)
+
+
+def test_gradients_segments_mask_bias_sinks():
+  q, k, v = qkv(sq=256, skv=200, h=2, kvh=1, d=64)
+  seg = (jnp.asarray(np.repeat([0, 1], 128)[None], jnp.int32), jnp.asarray(np.repeat([0, 1], 100)[None], jnp.int32))
+  mask = jnp.asarray(np.random.default_rng(1).random((1, 1, 256, 200)) < 0.8)
+  extra = [("bias", rand((1, 2, 256, 200), seed=5)), ("sinks", jnp.asarray([0.3, -0.2]))]
+  grads_close(dict(segment_ids=seg, mask=mask, causal=True), q, k, v, extra=extra, argnums=(0, 1, 2, 3, 4))
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def _bad(argument, **kw):
+  q, k, v = qkv(sq=64, h=4, kvh=2)
+  args = dict(q=q, k=k, v=v)
+  for name in ("q", "k", "v"):
+    if name in kw:
+      args[name] = kw.pop(name)
+  with pytest.raises(kernels.KernelError) as info:
+    att.flash_attention(args["q"], args["k"], args["v"], interpret=True, **kw)
+  assert info.value.argument == argument, str(info.value)
+  return str(info.value)
+
+
+def test_bad_input_names_the_argument():
+  q, k, v = qkv(sq=64, h=4, kvh=2)
+  assert "head_dim" in _bad("k", k=rand((1, 64, 2, 32)))
+  assert "divide" in _bad("k", k=rand((1, 64, 3, 64)), v=rand((1, 64, 3, 64)))
+  _bad("v", v=rand((1, 64, 1, 64)))
+  assert "rank" in _bad("q", q=rand((64, 4, 64)))
+  assert "float16" in _bad("q", q=q.astype(jnp.float16), k=k.astype(jnp.float16), v=v.astype(jnp.float16))
+  _bad("k", k=k.astype(jnp.bfloat16))
+  _bad("layout", layout="SBHD")
+  _bad("sliding_window", sliding_window=0)
+  _bad("sliding_window", sliding_window=-3)
+  _bad("logits_soft_cap", logits_soft_cap=0.0)
+  _bad("dropout_rate", dropout_rate=1.0, dropout_key=jax.random.key(0))
+  _bad("dropout_rate", dropout_rate=-0.1)
+  _bad("dropout_key", dropout_rate=0.5)
+  assert "shape" in _bad("segment_ids", segment_ids=jnp.zeros((1, 63), jnp.int32))
+  _bad("segment_ids", segment_ids=jnp.zeros((1, 64), jnp.float32))
+  _bad("mask", mask=jnp.ones((1, 4, 64, 63), bool))
+  _bad("mask", mask=jnp.ones((1, 4, 64, 64), jnp.float32))
+  _bad("bias", bias=jnp.ones((1, 3, 64, 64)))
+  _bad("sinks", sinks=jnp.ones((2,)))
+  _bad("block_sizes", block_sizes=(1, 2, 3))
+  assert "multiple of 128" in _bad("block_sizes", block_sizes=BlockSizes(32, 100, 128, 128),
+                                   q=rand((1, 300, 4, 64)), k=rand((1, 300, 2, 64)), v=rand((1, 300, 2, 64)))
+  _bad("implementation", implementation="cuda")
+
+
+def test_default_block_sizes():
+  for gen in kernels.TPU_GENERATIONS:
+    blocks = att.default_block_sizes(gen)
+    assert isinstance(blocks, BlockSizes) and blocks.block_kv % 128 == 0 and blocks.block_kv_bwd % 128 == 0
+  assert att.default_block_sizes(None) == att.default_block_sizes("v5e")
+
+
+# --- ahead-of-time compilation for TPU ------------------------------------------------------
+
+sds = jax.ShapeDtypeStruct
+bf16 = jnp.bfloat16
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_forward_and_backward_at_defaults(generation):
+  q, kv = sds((1, 2048, 8, 128), bf16), sds((1, 2048, 2, 128), bf16)
+
+  def f(q, k, v):
+    return att.flash_attention(q, k, v, causal=True)
+  comp = kernels.compile_for_tpu(f, q, kv, kv, generation=generation)
+  assert comp.hlo.count("tpu_custom_call") == 1
+  # BSHD with head_dim 128 is read in place: no transpose or copy in HBM
+  assert "transpose(" not in comp.hlo
+  grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  comp = kernels.compile_for_tpu(grad, q, kv, kv, generation=generation)
+  assert comp.hlo.count("tpu_custom_call") >= 3  # forward, dq, dk/dv
+  # odd shapes and every option
+  q, kv = sds((2, 1000, 4, 80), bf16), sds((2, 1000, 2, 80), bf16)
+  opts = dict(segment_ids=sds((2, 1000), jnp.int32), sinks=sds((4,), jnp.float32))
+  comp = kernels.compile_for_tpu(
+      lambda q, k, v, s, sk: att.flash_attention(q, k, v, segment_ids=s, sinks=sk, sliding_window=256,
+                                                 logits_soft_cap=30.0, dropout_rate=0.1, dropout_key=jax.random.key(0)),
+      q, kv, kv, opts["segment_ids"], opts["sinks"], generation=generation)
+  assert "tpu_custom_call" in comp.hlo
+  # decode: 8 queries against a 4097-token cache
+  comp = kernels.compile_for_tpu(lambda q, k, v: att.flash_attention(q, k, v, causal=True),
+                                 sds((4, 8, 8, 128), bf16), sds((4, 4097, 1, 128), bf16), sds((4, 4097, 1, 128), bf16),
+                                 generation=generation)
+  assert "tpu_custom_call" in comp.hlo
