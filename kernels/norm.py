@@ -109,8 +109,9 @@ class BlockSizes:
 
 
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "data", "norm_blocks.json")
-# Without a table entry: blocks of ~1 MiB of input (forward) and ~0.5 MiB (backward).
-_FALLBACK_BYTES = (1 << 20, 1 << 19)
+# Without a table entry: blocks of ~2 MiB of input (forward) and ~1 MiB (backward). (Compiler
+# estimates, v5e, 8192 x 4096 bf16 layer norm forward: 1 MiB blocks 121.6 us, 2 MiB 110.4 us, 4 MiB 109.3 us.)
+_FALLBACK_BYTES = (2 << 20, 1 << 20)
 
 
 @functools.cache
