@@ -7,8 +7,8 @@ the last axis on its own. With ``residual=r`` both first form ``h = x + r`` and 
 :func:`layer_norm_reference` and :func:`rms_norm_reference` are the same computations
 in plain JAX (what XLA fuses on its own).
 
-How the kernel works (the facts the notebook explains)
------------------------------------------------------
+How the norm kernels work
+-------------------------
 
 *Memory bound.* A norm does ~8 FLOPs per element and moves 2 bytes in and 2 out
 (bf16): about 2 FLOP/byte, two orders of magnitude below any TPU's ridge point. Its
