@@ -111,9 +111,12 @@ def _program(cfg):
 
   def fwdbwd(x, r, s, b, dy, dh):
     out, vjp = jax.vjp(fwd, x, r, s, b)
-    dx, _, ds, db = vjp((dy, dh) if residual else dy)
+    grads = vjp((dy, dh) if residual else dy)
+    if not residual:
+      return out, grads
     # The residual's gradient is x's (d(x + r)/dr = 1), so it is returned once: returning the
     # same array twice makes XLA copy it into a second output buffer (a full extra pass).
+    dx, _, ds, db = grads
     return out, (dx, ds, db)
   return fwdbwd, (x, x, vec, vec, x, x)
 
