@@ -46,6 +46,11 @@ Usage::
   python tools/bench_attention.py --only target            # just the S=8192 D=128 causal forward
   python tools/bench_attention.py --peers ours             # re-estimate ours only
   python tools/bench_attention.py --memory                 # temp HBM of XLA vs flash, S=1k..16k (compile only)
+  # while another job holds the lock: short estimates only, each stopped after 75 s
+  python tools/bench_attention.py --only target --no-lock --timeout 75
+
+An estimate stopped by --timeout is stored as "not estimated: the estimate took longer
+than ..." and is retried by a later run with a longer timeout (with the lock).
 """
 from __future__ import annotations
 
