@@ -77,8 +77,40 @@ XLA reduction. Two kernels:
 
 Both skip the blocks the forward skips (the dk/dv index maps clamp the q block).
 
-*Estimates* (compiler estimates, libtpu's cost model): see the tables in
-``kernels/data/attention_blocks.json``, written by ``tools/tune_attention.py``.
+*v6e* computes the forward's exponentials in bf16 (its EUP has a bf16 path; v4 and
+v5 do not), for bf16 inputs without dropout: the probabilities are cast to bf16
+for the MXU anyway; the row sums stay f32.
+
+*Block sizes.* :class:`BlockSizes` ``(block_q, block_kv, block_q_bwd, block_kv_bwd)``;
+the defaults per generation come from ``kernels/data/attention_blocks.json``,
+written by ``tools/tune_attention.py`` from compiler estimates; without an entry,
+1024/1024 forward and 512/512 backward (512 throughout on v4, 16 MiB of VMEM).
+
+*libtpu's cost model* (``kernels.estimate_tpu``) aborts the process on some code
+shapes that compile fine, so the kernels avoid them: a single block shorter than
+its tile (q_len = 1000 in bf16) is rounded up to whole (16, 128) tiles and masked;
+the sinks and the dropout seed are (8, 128) VMEM tiles, not SMEM scalars. The
+forward with dropout still aborts it (compiles, cannot be estimated), and one
+backward (S=2048, GQA, BSHD, 512 blocks) aborted it once in a test run.
+
+Estimates
+---------
+Compiler estimates (libtpu's cost model via :func:`kernels.estimate_tpu`, jax 0.10.2),
+bf16, batch 1, 8 heads, head_dim 128, BHSD, seen while developing (the tuning
+script stores its own in the JSON):
+
+* TPU v5e, S=4096, causal forward: 228.9 us at blocks 512/512, 182.7 us at
+  1024/512, 172.8 us at 1024/1024; JAX's ``flash_attention`` at 1024/1024:
+  335.4 us, at 512/512: 379.8 us.
+* TPU v5e, S=4096, non-causal forward: 471.6 us at 1024/1024 (74.0% of the MXU
+  roofline), 875.4 us at 512/512.
+* TPU v5e, S=4096, causal forward + backward (``jax.grad``), blocks
+  1024/1024/512/512: 489.4 us.
+
+Caveat: the causal estimates come out *faster* than the causal roofline
+(``2 S^2 D`` per head) even though diagonal blocks do full work (172.8 us is
+101% of it), so the cost model under-charges this kernel's ``pl.when`` branches
+somewhere; compare causal estimates only with other kernels estimated the same way.
 """
 from __future__ import annotations
 
@@ -119,9 +151,10 @@ NEG_INF = -float("inf")
 class BlockSizes:
   """Tiles of the forward (``block_q x block_kv``) and of both backward kernels.
 
-  A block at least as long as its sequence becomes the whole sequence. Otherwise
   ``block_kv`` (the lane axis of the score tile) and both backward blocks must be
-  multiples of 128, ``block_q`` a multiple of 8.
+  multiples of 128, ``block_q`` a multiple of 8 (16 for bf16). A block at least as
+  long as its sequence becomes the sequence rounded up to that multiple (the tail
+  is masked).
   """
 
   block_q: int = 512
@@ -134,7 +167,11 @@ class BlockSizes:
 
 
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "data", "attention_blocks.json")
-_FALLBACK = BlockSizes()
+# Used when the table lacks the generation: 1024 x 1024 forward tiles (fastest of 512/512,
+# 1024/512 and 1024/1024 in the v5e estimates of the module docstring), 512 x 512 backward;
+# v4's 16 MiB of VMEM takes 512 x 512 tiles throughout.
+_FALLBACK = BlockSizes(1024, 1024, 512, 512)
+_FALLBACK_SMALL_VMEM = BlockSizes(512, 512, 512, 512)
 
 
 @functools.cache
@@ -153,7 +190,7 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, head_dim: int = 128
   if entry is None:
     entry = _block_table().get(gen, {}).get("bfloat16")
   if not entry:
-    return _FALLBACK
+    entry = dataclasses.asdict(_FALLBACK_SMALL_VMEM if gen == "v4" else _FALLBACK)
   fields = {f.name for f in dataclasses.fields(BlockSizes)}
   blocks = BlockSizes(**{k: v for k, v in entry.items() if k in fields})
   if head_dim > 128 and jnp.dtype(dtype).itemsize == 4:  # f32 and a wide head: halve the tiles' VMEM
@@ -319,6 +356,14 @@ def _dropout_rows(p: _Problem, b, h, qpos):
   return (b * p.h + h) * p.sq + qpos
 
 
+def _keep_tile(p: _Problem, seed, b, h, qpos, kpos):
+  """The dropout keep mask of one tile, hashed on full tiles (a (n, 1) int32 column
+  through the hash aborts libtpu's cost model)."""
+  shape = jnp.broadcast_shapes(qpos.shape, kpos.shape)
+  rows = jnp.broadcast_to(_dropout_rows(p, b, h, qpos), shape)
+  return dropout_keep_mask(seed, rows, jnp.broadcast_to(kpos, shape), p.dropout_rate)
+
+
 # ---------------------------------------------------------------------------------
 # Reference (pure JAX)
 # ---------------------------------------------------------------------------------
@@ -397,12 +442,13 @@ class _Plan:
   nkv: int
   inplace_bshd: bool     # BSHD read in place as [B, S, H*D]
   vmem_limit: int | None
+  exp_bf16: bool = False  # forward exponentials in bf16 (v6e's EUP has a bf16 path; v4/v5 do not)
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
   check(isinstance(block, (int, np.integer)) and block > 0, "block_sizes", blocks, f"{name} must be a positive int")
-  if block >= n:
-    return n
+  if block >= n:  # one block: whole native tiles (a partial tile aborts libtpu's cost model), tail masked
+    return tiling.round_up(n, multiple)
   if block % multiple:
     raise TilingError("block_sizes", blocks, f"{name}={block} must be a multiple of {multiple} "
                       f"(or at least the sequence length {n})")
@@ -436,7 +482,9 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
     bq = _fit(blocks.block_q, p.sq, tiling.sublane_multiple(p.dtype), "block_q", blocks)
     bkv = _fit(blocks.block_kv, p.skv, 128, "block_kv", blocks)
     limit = _vmem(p, bq, bkv, 2, 2, 1, blocks)
-  return _Plan(bq, bkv, tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv), inplace, limit)
+  exp_bf16 = (not backward and chip is not None and chip.name == "v6e" and p.dtype == jnp.bfloat16
+              and not p.dropout_rate)
+  return _Plan(bq, bkv, tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv), inplace, limit, exp_bf16)
 
 
 def _floor_div(x, n: int):
@@ -564,15 +612,16 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   @pl.when(j == 0)
   def _init():
     if p.sinks:
-      r.m[...] = jnp.full(r.m.shape, r.sinks[h], jnp.float32)
+      r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1], r.m.shape)
       r.l[...] = jnp.ones(r.l.shape, jnp.float32)
     else:
       r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
       r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+    r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
 
   def step(masked: bool):
-    q = _scaled_q(r.q, p.scale)
+    q = r.qs[...]
     k, v = r.k[...], r.v[...]
     if masked and p.skv % bkv:
       k = _zero_rows(k, p.skv - j * bkv)
@@ -589,11 +638,16 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     # a row with nothing visible yet keeps m = -inf: subtract 0 so exp gives 0, not NaN
     m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-    e = jnp.exp(s - m_use)
+    if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
+      e = jnp.exp((s - m_use).astype(jnp.bfloat16))
+      row_sum = e.astype(jnp.float32).sum(axis=1, keepdims=True)
+    else:
+      e = jnp.exp(s - m_use)
+      row_sum = e.sum(axis=1, keepdims=True)
     alpha = jnp.exp(m_prev - m_use)
-    r.l[...] = alpha * r.l[...] + e.sum(axis=1, keepdims=True)
+    r.l[...] = alpha * r.l[...] + row_sum
     if p.dropout_rate:
-      keep = dropout_keep_mask(r.seed[0], _dropout_rows(p, b, h, qpos), kpos, p.dropout_rate)
+      keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
     r.acc[...] = alpha * r.acc[...] + lax.dot_general(e.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
     r.m[...] = m_new
@@ -641,7 +695,7 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     e = jnp.exp(s - r.lse[...])   # lse of a row with nothing visible is +inf here (see f_bwd): e = 0
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     if p.dropout_rate:
-      keep = dropout_keep_mask(r.seed[0], _dropout_rows(p, b, h, qpos), kpos, p.dropout_rate)
+      keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       dp = jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)), 0.0)
     ds = e * (dp - r.delta[...])
     if p.bias_shape is not None:
@@ -699,7 +753,7 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
     et = jnp.exp(st - r.lse[...])
     keep = None
     if p.dropout_rate:
-      keep = dropout_keep_mask(r.seed[0], _dropout_rows(p, b, h, qpos), kpos, p.dropout_rate)
+      keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       pd = jnp.where(keep, et * (1.0 / (1.0 - p.dropout_rate)), 0.0)
     else:
       pd = et
@@ -773,15 +827,19 @@ def _dense_block(p: _Problem, shape, bq: int, bkv: int, fn, transposed=False):
   return pl.BlockSpec((sq, sq, bkv, bq) if transposed else (sq, sq, bq, bkv), index)
 
 
-def _prefetch(p: _Problem, seed, sinks):
-  args, names = [], []
+def _small_inputs(p: _Problem, seed, sinks, head):
+  """The dropout seed and the sinks as small VMEM tiles (an (8, 128) tile each; as SMEM
+  scalars they abort libtpu's cost model). ``head(*grid ids)`` is the q head of a step."""
+  args, names, specs = [], [], []
   if p.dropout_rate:
-    args.append(seed.reshape(1))
+    args.append(jnp.full((8, 128), seed, jnp.int32))
     names.append("seed")
+    specs.append(pl.BlockSpec((8, 128), lambda *g: (0, 0)))
   if p.sinks:
-    args.append(sinks.astype(jnp.float32))
+    args.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (p.h, 8, 128)))
     names.append("sinks")
-  return args, names
+    specs.append(pl.BlockSpec((pl.squeezed, 8, 128), lambda *g: (head(*g), 0, 0)))
+  return args, names, specs
 
 
 def _compiler_params(plan: _Plan):
@@ -804,11 +862,11 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
     b, h, i, j = g[:4]
     return b, h, i, kv_j(i, j)
 
-  prefetch, names = _prefetch(p, seed, sinks)
-  in_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
+  args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: g[1])
+  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
               _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
               _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3]))]
-  args = [q, k, v]
+  args = args + [q, k, v]
   names += ["q", "k", "v"]
   sq = pl.squeezed
   if p.segments:
@@ -828,8 +886,9 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
                pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
   out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype),
                jax.ShapeDtypeStruct((p.b, p.h, p.sq, 1), jnp.float32)]
-  names += ["o", "lse", "m", "l", "acc"]
-  scratch = [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, p.d), jnp.float32)]
+  names += ["o", "lse", "m", "l", "acc", "qs"]
+  scratch = [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, p.d), jnp.float32),
+             pltpu.VMEM((bq, p.d), p.dtype)]
   grid = (p.b, p.h, plan.nq, nkv)
   frac = 0.5 if p.causal else 1.0
   isz = p.dtype.itemsize
@@ -838,11 +897,11 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
                          bytes_accessed=int(isz * (2 * q.size + k.size + v.size)))
   call = pl.pallas_call(
       functools.partial(_fwd_kernel, p=p, plan=plan, names=names),
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=grid, in_specs=in_specs,
                                              out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
       name="flash_attention_fwd")
-  out, lse = call(*prefetch, *args)
+  out, lse = call(*args)
   return out, lse.reshape(p.b, p.h, p.sq)
 
 
@@ -866,15 +925,15 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
     b, h, i, j = g[:4]
     return b, h, i, kv_j(i, j)
 
-  prefetch, names = _prefetch(p, seed, sinks)
-  in_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
+  args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: g[1])
+  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
               _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
               _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
               _seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0)),
               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
   sq_pad = lse.shape[-1]   # lse and delta come padded to whole q blocks
-  args = [q, k, v, do, lse.reshape(p.b, p.h, sq_pad, 1), delta.reshape(p.b, p.h, sq_pad, 1)]
+  args = args + [q, k, v, do, lse.reshape(p.b, p.h, sq_pad, 1), delta.reshape(p.b, p.h, sq_pad, 1)]
   names += ["q", "k", "v", "do", "lse", "delta"]
   if p.segments:
     in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], g[2], 0)),
@@ -902,12 +961,12 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
                          bytes_accessed=int(isz * (3 * q.size + k.size + v.size)))
   call = pl.pallas_call(
       functools.partial(_dq_kernel, p=p, plan=plan, names=names),
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=(p.b, p.h, nq, nkv),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(p.b, p.h, nq, nkv),
                                              in_specs=in_specs, out_specs=out_specs,
                                              scratch_shapes=[pltpu.VMEM((bq, p.d), jnp.float32)]),
       out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
       name="flash_attention_dq")
-  outs = call(*prefetch, *args)
+  outs = call(*args)
   dq = outs[0]
   dlogits = outs[1] if p.bias_shape is not None else None
 
@@ -923,14 +982,14 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
     b, kh, j, t = g[:4]
     return b, kh * G + lax.div(t, nq), q_i(j, t), j
 
-  prefetch, names = _prefetch(p, seed, sinks)
-  in_specs = [_seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
+  args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: qids(*g)[1])
+  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
               _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2])),
               _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2])),
               _seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
               pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, h, 0, i))(*qids(*g))),
               pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, h, 0, i))(*qids(*g)))]
-  args = [q, k, v, do, lse.reshape(p.b, p.h, 1, sq_pad), delta.reshape(p.b, p.h, 1, sq_pad)]
+  args = args + [q, k, v, do, lse.reshape(p.b, p.h, 1, sq_pad), delta.reshape(p.b, p.h, 1, sq_pad)]
   names += ["q", "k", "v", "do", "lse", "delta"]
   if p.segments:
     in_specs += [pl.BlockSpec((sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, 0, i))(*qids(*g))),
@@ -954,12 +1013,12 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   call = pl.pallas_call(
       functools.partial(_dkv_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(prefetch), grid=(p.b, p.kvh, nkv, G * nq), in_specs=in_specs,
+          num_scalar_prefetch=0, grid=(p.b, p.kvh, nkv, G * nq), in_specs=in_specs,
           out_specs=[kv_spec, kv_spec],
           scratch_shapes=[pltpu.VMEM((bkv, p.d), jnp.float32), pltpu.VMEM((bkv, p.d), jnp.float32)]),
       out_shape=[kv_shape, kv_shape], compiler_params=_compiler_params(plan), cost_estimate=cost,
       interpret=interpret, name="flash_attention_dkv")
-  dk, dv = call(*prefetch, *args)
+  dk, dv = call(*args)
   return dq, dk, dv, dlogits
 
 

@@ -1,0 +1,164 @@
+"""Tunes kernels.attention's default block sizes with the TPU compiler's cost model.
+
+For each generation tuned (v5e and v6e by default) it estimates the causal forward
+of ``flash_attention`` (bf16, batch 1, 8 heads, head_dim 128, BHSD) at a few
+``(block_q, block_kv)`` candidates and keeps the fastest; then, with that forward,
+the forward + backward (``jax.vjp``) at a few ``(block_q_bwd, block_kv_bwd)``
+candidates. Every number is a **compiler estimate** (``kernels.estimate_tpu``),
+never a measurement; each estimate runs in a child process (libtpu's cost model
+can abort a process). Run it under the shared lock::
+
+  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py               # v5e, v6e at S=4096
+  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --generations v6e --seq 8192 --force
+
+Generations not tuned get derived entries: v5p uses v5e's blocks (same 128x128
+MXUs; 64 MiB of VMEM is enough for them), v4 uses v5p's, shrunk until the kernel's
+VMEM plan fits v4's 16 MiB. Results go to ``kernels/data/attention_blocks.json``
+after every generation; existing entries are kept unless ``--force``.
+
+Roofline FLOPs: forward ``4 * S^2 * D`` per head, halved for causal; forward +
+backward counts the 7 ``S x S x D`` matmuls the kernels run (2 forward, 5 backward),
+3.5x the forward.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+att = importlib.import_module("kernels.attention")
+from kernels import backend  # noqa: E402
+from kernels.errors import KernelError  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
+                   "attention_blocks.json")
+HEADS, HEAD_DIM = 8, 128
+# Few candidates: a fwd+bwd estimate at S=4096 takes ~4 minutes on a 2-core host.
+FWD_CANDIDATES = [(512, 512), (1024, 512), (1024, 1024)]
+BWD_CANDIDATES = [(512, 512), (1024, 1024)]
+
+
+def _problem(seq):
+  q = jax.ShapeDtypeStruct((1, HEADS, seq, HEAD_DIM), jnp.bfloat16)
+  fwd_flops = 4 * seq * seq * HEAD_DIM * HEADS * 0.5
+  return q, fwd_flops, 4 * q.size * 2
+
+
+def _estimate(gen, seq, blocks, backward):
+  q, fwd_flops, nbytes = _problem(seq)
+
+  def f(q, k, v):
+    return att.flash_attention(q, k, v, causal=True, layout="BHSD", block_sizes=blocks)
+  fn = f
+  flops = fwd_flops
+  if backward:
+    fn = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    flops = 3.5 * fwd_flops
+  t0 = time.time()
+  est = kernels.estimate_tpu(fn, q, q, q, generation=gen, isolate=True, flops=flops, bytes_accessed=nbytes)
+  row = {"us": round(est.seconds * 1e6, 2), "fraction_of_roofline": round(est.fraction_of_roofline, 4),
+         "valid": est.valid, "wall_seconds": round(time.time() - t0)}
+  print(f"  {gen} S={seq} {'fwd+bwd' if backward else 'fwd'} {dataclasses.astuple(blocks)}: {row}", flush=True)
+  return row
+
+
+def tune(gen, seq):
+  fwd = []
+  for bq, bkv in FWD_CANDIDATES:
+    blocks = att.BlockSizes(bq, bkv, 512, 512)
+    try:
+      fwd.append(({"block_q": bq, "block_kv": bkv}, _estimate(gen, seq, blocks, False)))
+    except (RuntimeError, KernelError) as e:
+      print(f"  {gen} fwd {(bq, bkv)} failed: {str(e)[:200]}", flush=True)
+  best_fwd, best_fwd_est = min(fwd, key=lambda c: c[1]["us"])
+  bwd = []
+  for bq, bkv in BWD_CANDIDATES:
+    blocks = att.BlockSizes(best_fwd["block_q"], best_fwd["block_kv"], bq, bkv)
+    try:
+      bwd.append(({"block_q_bwd": bq, "block_kv_bwd": bkv}, _estimate(gen, seq, blocks, True)))
+    except (RuntimeError, KernelError) as e:
+      print(f"  {gen} bwd {(bq, bkv)} failed: {str(e)[:200]}", flush=True)
+  best_bwd, best_bwd_est = min(bwd, key=lambda c: c[1]["us"])
+  return dict(**best_fwd, **best_bwd, problem={"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "seq": seq,
+                                               "causal": True, "dtype": "bfloat16"},
+              forward=best_fwd_est, forward_backward=best_bwd_est,
+              forward_candidates=[dict(**b, **e) for b, e in fwd],
+              backward_candidates=[dict(**b, **e) for b, e in bwd],
+              kind="compiler estimate", tuned=datetime.date.today().isoformat())
+
+
+def _fits(gen, blocks):
+  p = att._Problem(b=1, h=HEADS, kvh=HEADS, sq=8192, skv=8192, d=HEAD_DIM, dtype=jnp.dtype(jnp.bfloat16),
+                   layout="BHSD", causal=True, window=None, softcap=None, scale=1.0, segments=False, mask_shape=None,
+                   bias_shape=None, sinks=False, dropout_rate=0.0)
+  try:
+    with backend.target(gen):
+      att._plan(p, blocks, backward=False)
+      att._plan(p, blocks, backward=True)
+    return True
+  except KernelError:
+    return False
+
+
+def derive(table):
+  keys = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
+  if "v5e" in table and "v5p" not in table:
+    e = table["v5e"]["bfloat16"]
+    table["v5p"] = {"bfloat16": {**{k: e[k] for k in keys}, "derived_from": "v5e (not tuned on v5p)"}}
+  src = table.get("v5p", {}).get("bfloat16")
+  if src and "v4" not in table:
+    blocks = att.BlockSizes(*(src[k] for k in keys))
+    while not _fits("v4", blocks):
+      blocks = att.BlockSizes(*(max(128, b // 2) for b in dataclasses.astuple(blocks)))
+    table["v4"] = {"bfloat16": {**dataclasses.asdict(blocks), "derived_from": "v5p, shrunk to fit 16 MiB of VMEM"}}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--generations", nargs="+", default=["v5e", "v6e"])
+  ap.add_argument("--seq", type=int, default=4096)
+  ap.add_argument("--force", action="store_true")
+  args = ap.parse_args()
+  data = {}
+  if os.path.exists(OUT):
+    with open(OUT, encoding="utf-8") as fh:
+      data = json.load(fh)
+  table = data.get("defaults", {})
+  for gen in args.generations:
+    if gen in table and "derived_from" not in table[gen].get("bfloat16", {}) and not args.force:
+      print(f"{gen}: already tuned (--force to redo)")
+      continue
+    table[gen] = {"bfloat16": tune(gen, args.seq)}
+    for g in ("v5p", "v4"):
+      if g != gen and "derived_from" in table.get(g, {}).get("bfloat16", {}):
+        del table[g]
+    derive(table)
+    data = {
+        "description": "Default BlockSizes of kernels.attention per TPU generation (bfloat16; float32 with "
+                       "head_dim > 128 halves them). Chosen by tools/tune_attention.py from compiler estimates "
+                       "(libtpu's static cost model via kernels.estimate_tpu) of the causal forward and forward + "
+                       "backward at the problem stated in each entry: estimates, not measurements.",
+        "generated_by": "tools/tune_attention.py",
+        "environment": {"jax": jax.__version__, "python": platform.python_version()},
+        "defaults": dict(sorted(table.items())),
+    }
+    with open(OUT, "w", encoding="utf-8") as fh:
+      json.dump(data, fh, indent=1)
+      fh.write("\n")
+    print(f"wrote {OUT}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
