@@ -126,12 +126,13 @@ def test_odd_shapes_gqa_and_cross_attention(sq, skv, h, kvh, d):
     assert np.all(np.asarray(out)[:, :sq - skv] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, :sq - skv]))
 
 
-def test_bf16():
+def test_bf16(monkeypatch):
   q, k, v = qkv(sq=256, h=4, kvh=2, d=128, dtype=jnp.bfloat16)
   for kw in ({}, dict(causal=True, sliding_window=64)):
     out = run(q, k, v, **kw)
     assert out.dtype == jnp.bfloat16
     close(out, att.attention_reference(q, k, v, **kw), jnp.bfloat16)
+  monkeypatch.setattr(att, "_EXP_BF16", True)  # off by default (libtpu's cost model aborts on it)
   with kernels.backend.target("v6e"):  # traced for v6e: the forward's exponentials run in bf16
     assert att._plan(att._validate(q, k, v, causal=True, segment_ids=None, sliding_window=None, logits_soft_cap=None,
                                    scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
