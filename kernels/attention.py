@@ -107,6 +107,12 @@ script stores its own in the JSON):
   roofline), 875.4 us at 512/512.
 * TPU v5e, S=4096, causal forward + backward (``jax.grad``), blocks
   1024/1024/512/512: 489.4 us.
+* After keeping the scaled q block in VMEM: TPU v5e, S=4096, causal forward at
+  1024/1024: 174.2 us (no gain); TPU v6e, same problem: 119.9 us at 1024/1024,
+  173.7 us at 512/512 (v6e's roofline is far higher: 31% of it; the exponentials,
+  not the MXU, bound it there).
+* S=2048 causal forward at the defaults (1024/1024): TPU v5e 87.0 us (BHSD, 8 heads),
+  110.1 us (BSHD read in place, 8 q heads / 2 kv heads); TPU v6e 58.7 us (BHSD).
 
 Caveat: the causal estimates come out *faster* than the causal roofline
 (``2 S^2 D`` per head) even though diagonal blocks do full work (172.8 us is
