@@ -69,6 +69,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -389,21 +390,6 @@ def estimate_isolated(peer, c, gen, blocks, timeout=None):
 
 # --- storage ------------------------------------------------------------------------
 
-def _load(path):
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as fh:
-      return json.load(fh)
-  return {}
-
-
-def _save(table, path):
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as fh:
-    json.dump(table, fh, indent=1)
-    fh.write("\n")
-  os.replace(tmp, path)
-
-
 SPLASH_BWD_V5E = ("not estimated: libtpu's cost model aborts the process on splash's backward kernels on "
                   "v5e ('Unsupported DMA direction: 10 on VL/VLP')")
 
@@ -441,7 +427,7 @@ def _best(entry):
 
 
 def run(args):
-  table = _load(args.out) or _header()
+  table = result_tables.load(args.out) or _header()
   table.setdefault("cases", {})
   cs = cases_in_order()
   if args.only == "target":
@@ -475,12 +461,12 @@ def run(args):
             if peer == "xla" and c["seq"] * c["heads"] >= 8192 * 2:
               pe["tried"][name] = {"error": XLA_TOO_BIG}
               pe["default"], pe["best"] = pe["tried"].get("default"), _best(pe)
-              _save(table, args.out)
+              result_tables.save(table, args.out)
               continue
             if peer == "splash" and c["backward"] and gen == "v5e":
               pe["tried"][name] = {"error": SPLASH_BWD_V5E}
               pe["default"], pe["best"] = pe["tried"].get("default"), _best(pe)
-              _save(table, args.out)
+              result_tables.save(table, args.out)
               continue
             t0 = time.time()
             r = estimate_isolated(peer, c, gen, blocks)
@@ -489,7 +475,7 @@ def run(args):
             pe["tried"][name] = r
             pe["default"] = pe["tried"].get("default")
             pe["best"] = _best(pe)
-            _save(table, args.out)
+            result_tables.save(table, args.out)
             what = (f"{r['us']:.1f} us, {100 * r['fraction_of_roofline']:.1f}% of roofline"
                     if "us" in r else r["error"][:160])
             print(f"[{time.time() - t_all:6.0f} s] {gen} {key} {peer} {name}: {what} "
@@ -513,7 +499,7 @@ def run_memory(args):
   if os.environ.get("KERNELS_STATIC_PROFILE") != "0":  # the cost model makes compiles 10-20x slower
     env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
     sys.exit(subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env).returncode)
-  table = _load(MEM_OUT) or {
+  table = result_tables.load(MEM_OUT) or {
       "kind": "memory_analysis() of the program compiled for TPU v5e (kernels.compile_for_tpu), bytes",
       "shape": "batch 1, 8 heads, head_dim 128, bfloat16, causal; fwd = forward, fwdbwd = jax.vjp",
       "script": "tools/bench_attention.py --memory", "jax": jax.__version__, "results": {}}
@@ -529,7 +515,7 @@ def run_memory(args):
         except Exception as e:  # noqa: BLE001
           r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         table["results"][key] = r
-        _save(table, MEM_OUT)
+        result_tables.save(table, MEM_OUT)
         print(key, r, flush=True)
 
 

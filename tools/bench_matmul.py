@@ -44,6 +44,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -149,21 +150,6 @@ def estimate_isolated(case: dict) -> dict:
   return {"error": "the compiler or its cost model crashed: " + (tail[0][:200] if tail else f"exit {proc.returncode}")}
 
 
-def _load(path):
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as fh:
-      return json.load(fh)
-  return {}
-
-
-def _save(table, path):
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as fh:
-    json.dump(table, fh, indent=1)
-    fh.write("\n")
-  os.replace(tmp, path)
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=OUT)
@@ -181,7 +167,7 @@ def main(argv=None):
     print(json.dumps(r), flush=True)
     return
 
-  table = _load(args.out)
+  table = result_tables.load(args.out)
   table.update({
       "description": ("Compiler estimates (libtpu's static cost model via kernels.estimate_tpu) of bf16 matmuls "
                       "for the GEMM notebook: JAX's Pallas matmul at the guide's blocks, skinny shapes against "
@@ -212,7 +198,7 @@ def main(argv=None):
                     "cross_program_prefetch": not c["libtpu_flags"], **r,
                     "label": f"compiler estimate, TPU {c['generation']}",
                     "date": datetime.date.today().isoformat()}
-    _save(table, args.out)
+    result_tables.save(table, args.out)
     print(f"[{i + 1}/{len(todo)}] {key}: " + (f"{r['us']:.1f} us" if "us" in r else r["error"])
           + f" ({time.time() - t0:.0f} s)", flush=True)
   print(f"done in {time.time() - t_all:.0f} s")

@@ -42,6 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -180,21 +181,6 @@ def tune(gen, dtype, m, k, n, log=print, max_evals=40, candidates=None):
   return best, seen[best], len([r for r in seen.values() if r is not None])
 
 
-def _load(path):
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as fh:
-      return json.load(fh)
-  return {}
-
-
-def _save(table, path):
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as fh:
-    json.dump(table, fh, indent=1)
-    fh.write("\n")
-  os.replace(tmp, path)
-
-
 def _fits(gen, dtype, m, k, n, blocks) -> bool:
   """True if the kernel's own VMEM plan accepts ``blocks`` on ``gen`` (the check it runs before lowering)."""
   from kernels.backend import target
@@ -266,7 +252,7 @@ def main(argv=None):
   if not kernels.estimator_available():
     sys.exit("the TPU compiler's cost model is unavailable (needs jax[tpu]; import kernels before jax)")
 
-  table = _load(args.out)
+  table = result_tables.load(args.out)
   table.update({
       "description": ("Default (bm, bk, bn) of kernels.matmul per TPU generation and input dtype, for the tuned "
                       "problems [M, K] @ [K, N]; a call uses the nearest tuned problem (log2 distance). "
@@ -287,7 +273,7 @@ def main(argv=None):
           if done:
             print(f"{gen} {dtype} {m}x{k}x{n}: XLA", flush=True)
             done.update(_xla_fields(gen, dtype, m, k, n, done["estimate"]))
-            _save(table, args.out)
+            result_tables.save(table, args.out)
           continue
         if done and not args.force:
           continue
@@ -308,7 +294,7 @@ def main(argv=None):
               f"(compiler estimates, TPU {gen}) in {time.time() - t0:.0f} s", flush=True)
         if "v5p" in table["defaults"]:
           _derive_v4(table)
-        _save(table, args.out)
+        result_tables.save(table, args.out)
   print(f"done in {time.time() - t_all:.0f} s")
 
 

@@ -38,6 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -148,28 +149,13 @@ def default_rows(cfg) -> dict:
   return {"rows": f.rows, "backward_rows": f.backward_rows}
 
 
-def _load(path):
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as fh:
-      return json.load(fh)
-  return {}
-
-
-def _save(table, path):
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as fh:
-    json.dump(table, fh, indent=1)
-    fh.write("\n")
-  os.replace(tmp, path)
-
-
 def _header(description):
   return {"description": description, "generated_by": "tools/tune_norm.py", "kind": "compiler estimate",
           "environment": {"jax": jax.__version__, "python": platform.python_version()}, "rows": ROWS}
 
 
 def tune(args):
-  table = _load(BLOCKS_OUT) or _header(
+  table = result_tables.load(BLOCKS_OUT) or _header(
       "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') per TPU generation "
       "and dtype, for the tuned widths (8192 rows, fused add-and-layer-norm); a call uses the nearest width and "
       "scales the rows to keep the block's bytes. Chosen from compiler estimates (libtpu's static cost model): "
@@ -202,11 +188,11 @@ def tune(args):
       if "v5p" in defaults:
         defaults["v4"] = {"bfloat16": [dict(e, source="v5p's choice (libtpu has no cost model for v4)")
                                        for e in defaults["v5p"]["bfloat16"]]}
-      _save(table, BLOCKS_OUT)
+      result_tables.save(table, BLOCKS_OUT)
 
 
 def bench(args):
-  table = _load(BENCH_OUT) or _header(
+  table = result_tables.load(BENCH_OUT) or _header(
       "kernels.norm against XLA's jnp composition at 8192 rows, bf16: compiler estimates (libtpu's static cost "
       "model), not measurements. 'bytes' is what a fused implementation must move through HBM; "
       "'copy_*' estimate a plain copy of one [8192, width] array, the cost model's own HBM bandwidth.")
@@ -236,7 +222,7 @@ def bench(args):
       r["blocks"] = default_rows(cfg)
     results[key] = r
     print(key, r.get("us"), r.get("error", ""), flush=True)
-    _save(table, BENCH_OUT)
+    result_tables.save(table, BENCH_OUT)
 
 
 def main(argv=None):
