@@ -174,15 +174,25 @@ def _row_shape(hidden: int, dtype) -> tuple[int, ...]:
 
 
 def _vec_shape(hidden: int, dtype) -> tuple[int, int]:
-  """How a ``[H]`` parameter (and a partial column sum) is laid out: ``(1, H)`` or ``(H/128, 128)``."""
+  """How a ``[H]`` parameter is laid out: ``(1, H)`` or ``(H/128, 128)``."""
   return (hidden // tiling.LANES, tiling.LANES) if _wide(hidden, dtype) else (1, hidden)
+
+
+def _acc_shape(hidden: int, dtype) -> tuple[int, int]:
+  """A grid step's f32 accumulator of column sums: ``(8, H)`` (one row per sublane, so adding a
+  chunk's rows into it is plain vector adds, not a sublane reduction), or ``(H/128, 128)`` for wide
+  rows. The step writes it out summed to ``_vec_shape`` (a (nblocks, 8, H) output would be 8x
+  bigger, and XLA then places such outputs in VMEM and runs out of it in forward+backward programs)."""
+  return _vec_shape(hidden, dtype) if _wide(hidden, dtype) else (tiling.SUBLANES, hidden)
 
 
 def _vmem_bytes(rows: int, hidden: int, dtype, *, backward: bool, residual: bool, params: int) -> int:
   """VMEM plan of one kernel: double-buffered blocks plus the f32 temporaries of the math."""
   block = (rows,) + _row_shape(hidden, dtype)
   big = [(block, dtype)] * ((4 if residual else 3) if backward else (4 if residual else 2))
-  small = [(_vec_shape(hidden, dtype), jnp.float32)] * (params + (params if backward else 0))
+  small = ([(_vec_shape(hidden, dtype), jnp.float32)] * params
+           + ([(_vec_shape(hidden, dtype), jnp.float32), (_acc_shape(hidden, dtype), jnp.float32)] * params
+              if backward else []))
   temps = [(block, jnp.float32)] * (4 if backward else 3)
   return tiling.vmem_footprint(big + small, scratch=temps)
 
@@ -306,57 +316,149 @@ def rms_norm_reference(x, scale=None, *, eps=1e-6, residual=None):
 # ---------------------------------------------------------------------------------
 
 
-def _forward_kernel(*refs, p: _Problem):
+# The math runs on chunks of CHUNK_BYTES of f32 rows at a time, never on the whole block: a whole
+# block's f32 temporaries do not fit the 64 vector registers, so Mosaic spills them to VMEM
+# (8 MiB of spills in the backward at 256 x 4096) and every op pays a load and a store.
+CHUNK_BYTES = int(os.environ.get("KERNELS_NORM_CHUNK_BYTES", 64 << 10))
+_UNROLL = int(os.environ.get("KERNELS_NORM_UNROLL", 8))  # chunk loops longer than this run as a fori_loop unrolled this many times
+_STATIC = int(os.environ.get("KERNELS_NORM_STATIC", 8))
+# Each row input of a block is fetched as this many DMAs of rows/INPUT_SPLIT rows (the same array
+# passed that many times, with index maps split*i + j): the compiler's cost model streams one DMA at
+# well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
+# v6e, compiler estimates). Outputs stay one DMA each (an output array has one BlockSpec).
+INPUT_SPLIT = int(os.environ.get("KERNELS_NORM_INPUT_SPLIT", 2))
+
+
+def _chunk_rows(rows: int, hidden: int, dtype) -> int:
+  """Rows per chunk: a multiple of the dtype's sublane tile (1 for wide rows), about CHUNK_BYTES of f32."""
+  if _wide(hidden, dtype):
+    return 1
+  least = tiling.sublane_multiple(dtype)
+  c = max(least, _pow2_floor(CHUNK_BYTES / (4 * hidden)))
+  return rows if c >= rows else c
+
+
+def _split(p: _Problem, rows: int) -> int:
+  """How many DMAs each row input of a block is read with (see _row_in_specs)."""
+  least = 1 if _wide(p.hidden, p.dtype) else tiling.sublane_multiple(p.dtype)
+  return INPUT_SPLIT if rows < p.n_rows and rows % (INPUT_SPLIT * least) == 0 else 1
+
+
+def _for_each_chunk(rows: int, split: int, chunk: int, body):
+  """Calls ``body(part, start, size)`` over each of the ``split`` parts of ``rows`` rows, in chunks
+  (``start`` is within the part: an int, or a traced multiple of ``chunk``)."""
+  n, rem = divmod(rows // split, chunk)
+  for part in range(split):
+    if n <= _STATIC:
+      for j in range(n):
+        body(part, j * chunk, chunk)
+    else:
+      def step(j, carry, part=part):
+        body(part, pl.multiple_of(j * chunk, chunk), chunk)
+        return carry
+      lax.fori_loop(0, n, step, 0, unroll=_UNROLL)
+    if rem:
+      body(part, n * chunk, rem)
+
+
+def _pop_rows(refs: list, split: int, present: bool = True):
+  """The next row input's ``split`` refs (one per DMA), or None."""
+  if not present:
+    return None
+  out = refs[:split]
+  del refs[:split]
+  return out
+
+
+def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
   refs = list(refs)
-  x_ref = refs.pop(0)
-  r_ref = refs.pop(0) if p.has_residual else None
+  x_parts = _pop_rows(refs, split)
+  r_parts = _pop_rows(refs, split, p.has_residual)
   s_ref = refs.pop(0) if p.has_scale else None
   b_ref = refs.pop(0) if p.has_bias else None
   y_ref = refs.pop(0)
-  h = x_ref[...]
-  if p.has_residual:
-    h = _add(h, r_ref[...])
-    refs.pop(0)[...] = h
-  y, _ = _normalize(h.astype(jnp.float32), p.kind, p.eps, tuple(range(1, h.ndim)))
-  if s_ref is not None:
-    y = y * s_ref[...].astype(jnp.float32)
-  if b_ref is not None:
-    y = y + b_ref[...].astype(jnp.float32)
-  y_ref[...] = y.astype(y_ref.dtype)
+  h_out = refs.pop(0) if p.has_residual else None
+  axes = tuple(range(1, len(y_ref.shape)))  # the row: (H,) or (H/128, 128)
+  scale = s_ref[...].astype(jnp.float32) if s_ref is not None else None
+  bias = b_ref[...].astype(jnp.float32) if b_ref is not None else None
+
+  def chunk(part, start, size):
+    at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
+    h = x_parts[part][at]
+    if r_parts is not None:
+      h = _add(h, r_parts[part][at])
+      h_out[out] = h
+    y, _ = _normalize(h.astype(jnp.float32), p.kind, p.eps, axes)
+    if scale is not None:
+      y = y * scale
+    if bias is not None:
+      y = y + bias
+    y_ref[out] = y.astype(y_ref.dtype)
+
+  _for_each_chunk(rows, split, _chunk_rows(rows // split, p.hidden, p.dtype), chunk)
 
 
-def _backward_kernel(*refs, p: _Problem, rows: int):
+def _accumulate(acc_ref, v, wide: bool):
+  """Adds the rows of chunk ``v`` into the column-sum accumulator ``acc_ref`` (see _acc_shape)."""
+  if wide:
+    acc_ref[...] += jnp.sum(v, axis=0)
+  elif v.shape[0] % tiling.SUBLANES == 0:
+    acc_ref[...] += jnp.sum(v.reshape(-1, tiling.SUBLANES, v.shape[-1]), axis=0)
+  else:  # a block of fewer rows than a tile (all the rows there are)
+    acc_ref[0:1, :] += jnp.sum(v, axis=0, keepdims=True)
+
+
+def _backward_kernel(*refs, p: _Problem, rows: int, split: int):
   refs = list(refs)
-  h_ref, dy_ref = refs.pop(0), refs.pop(0)
-  dh_ref = refs.pop(0) if p.has_residual else None
+  h_parts, dy_parts = _pop_rows(refs, split), _pop_rows(refs, split)
+  dh_parts = _pop_rows(refs, split, p.has_residual)
   s_ref = refs.pop(0) if p.has_scale else None
   dx_ref = refs.pop(0)
-  ds_ref = refs.pop(0) if p.has_scale else None
-  db_ref = refs.pop(0) if p.has_bias else None
-  axes = tuple(range(1, len(h_ref.shape)))  # the row: (H,) or (H/128, 128)
-  xhat, rstd = _normalize(h_ref[...].astype(jnp.float32), p.kind, p.eps, axes)
-  dy = dy_ref[...].astype(jnp.float32)
-  g = dy * s_ref[...].astype(jnp.float32) if s_ref is not None else dy
-  gx = jnp.mean(g * xhat, axis=axes, keepdims=True)
-  dx = g - xhat * gx
-  if p.kind == "layer":
-    dx = dx - jnp.mean(g, axis=axes, keepdims=True)
-  dx = dx * rstd
-  if dh_ref is not None:
-    dx = dx + dh_ref[...].astype(jnp.float32)
-  dx_ref[...] = dx.astype(dx_ref.dtype)
-  if ds_ref is None and db_ref is None:
-    return
-  if p.n_rows % rows:  # the last block's out-of-range rows hold stale VMEM (maybe NaN): keep them out of the sums
-    row = pl.program_id(0) * rows + lax.broadcasted_iota(jnp.int32, (rows,) + (1,) * len(axes), 0)
-    valid = row < p.n_rows
-    dy = jnp.where(valid, dy, 0.0)
-    xhat = jnp.where(valid, xhat, 0.0)
-  wide = len(axes) == 2  # partial sums: (1, H) or (H/128, 128)
-  if ds_ref is not None:
-    ds_ref[...] = jnp.sum(dy * xhat, axis=0, keepdims=not wide)
-  if db_ref is not None:
-    db_ref[...] = jnp.sum(dy, axis=0, keepdims=not wide)
+  sums_out = refs[:int(p.has_scale) + int(p.has_bias)]  # this step's column sums: dscale, dbias
+  accs = refs[len(sums_out):] or sums_out  # their f32 accumulators (scratch; the outputs for wide rows)
+  ds_ref = accs[0] if p.has_scale else None
+  db_ref = accs[-1] if p.has_bias else None
+  axes = tuple(range(1, len(dx_ref.shape)))  # the row: (H,) or (H/128, 128)
+  wide = len(axes) == 2
+  scale = s_ref[...].astype(jnp.float32) if s_ref is not None else None
+  for ref in accs:
+    ref[...] = jnp.zeros(ref.shape, ref.dtype)
+  ragged = p.n_rows % rows != 0  # the last block's out-of-range rows hold stale VMEM (maybe NaN)
+
+  def chunk(part, start, size):
+    at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
+    hf = h_parts[part][at].astype(jnp.float32)
+    c = hf - jnp.mean(hf, axis=axes, keepdims=True) if p.kind == "layer" else hf
+    rstd = lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) + p.eps)
+    dy = dy_parts[part][at].astype(jnp.float32)
+    # dx = rstd * (g - xhat * mean(g * xhat) [- mean(g)]) with xhat = c * rstd, g = dy * scale, in
+    # the form with the fewest vector ops per element (the kernel is VPU-bound in the cost model).
+    dyc = dy * c
+    gc = jnp.mean(dyc * scale if scale is not None else dyc, axis=axes, keepdims=True)
+    g = dy * scale if scale is not None else dy
+    dx = g * rstd + c * (-(rstd * rstd * rstd) * gc)
+    if p.kind == "layer":
+      dx = dx - rstd * jnp.mean(g, axis=axes, keepdims=True)
+    if dh_parts is not None:
+      dx = dx + dh_parts[part][at].astype(jnp.float32)
+    dx_ref[out] = dx.astype(dx_ref.dtype)
+    if ds_ref is None and db_ref is None:
+      return
+    dxhat = dyc * rstd  # dy * xhat
+    if ragged:  # keep the out-of-range rows (stale VMEM, maybe NaN) out of the column sums
+      first = pl.program_id(0) * rows + part * (rows // split) + start
+      valid = first + lax.broadcasted_iota(jnp.int32, (size,) + (1,) * len(axes), 0) < p.n_rows
+      dy = jnp.where(valid, dy, 0.0)
+      dxhat = jnp.where(valid, dxhat, 0.0)
+    if ds_ref is not None:
+      _accumulate(ds_ref, dxhat, wide)
+    if db_ref is not None:
+      _accumulate(db_ref, dy, wide)
+
+  _for_each_chunk(rows, split, _chunk_rows(rows // split, p.hidden, p.dtype), chunk)
+  if not wide:
+    for out, acc in zip(sums_out, accs):
+      out[...] = jnp.sum(acc[...], axis=0, keepdims=True)
 
 
 def _rows_plan(p: _Problem, rows: int, backward: bool):
@@ -400,20 +502,33 @@ def _specs(p: _Problem, rows: int):
           pl.BlockSpec(_vec_shape(p.hidden, p.dtype), lambda i: (0, 0)))
 
 
+def _row_in_specs(p: _Problem, rows: int, split: int):
+  """The ``split`` BlockSpecs a row input is read with: part j of block i is sub-block
+  ``split * i + j`` of ``rows / split`` rows, clamped to the last sub-block (a ragged last block's
+  missing parts re-read it; those rows are out of range and never used)."""
+  row = _row_shape(p.hidden, p.dtype)
+  zeros, sub = (0,) * len(row), rows // split
+  last = tiling.cdiv(p.n_rows, sub) - 1
+  return [pl.BlockSpec((sub,) + row, lambda i, j=j: (jnp.minimum(split * i + j, last),) + zeros)
+          for j in range(split)]
+
+
 def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret):
   grid, limit = _rows_plan(p, rows, backward=False)
   row_block, vec_block = _specs(p, rows)
-  args, in_specs = [x], [row_block]
+  split = 1 if p.has_residual else _split(p, rows)  # (x and r are already two DMAs)
+  row_in = _row_in_specs(p, rows, split)
+  args, in_specs = [x] * split, list(row_in)
   if p.has_residual:
-    args.append(r)
-    in_specs.append(row_block)
+    args += [r] * split
+    in_specs += row_in
   for v in (scale, bias):
     if v is not None:
       args.append(v.reshape(_vec_shape(p.hidden, p.dtype)))
       in_specs.append(vec_block)
   out_shape = [jax.ShapeDtypeStruct(x.shape, p.dtype)] * (2 if p.has_residual else 1)
   call = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p), grid=grid, in_specs=in_specs,
+      functools.partial(_forward_kernel, p=p, rows=rows, split=split), grid=grid, in_specs=in_specs,
       out_specs=[row_block] * len(out_shape), out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=8 * p.n_rows * p.hidden, transcendentals=p.n_rows,
@@ -423,33 +538,43 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret):
   return outs[0], (outs[1] if p.has_residual else None)
 
 
+def _column_sum(partials, p: _Problem):
+  """The ``[H]`` column sum from the grid steps' partial sums (a tiny XLA reduction)."""
+  return partials.sum(axis=0).reshape(p.hidden)
+
+
 def _pallas_backward(h, dy, dh, scale, *, p: _Problem, rows: int, interpret):
   grid, limit = _rows_plan(p, rows, backward=True)
   nblocks = grid[0]
   row_block, vec_block = _specs(p, rows)
   vec = _vec_shape(p.hidden, p.dtype)
-  args, in_specs = [h, dy], [row_block, row_block]
+  split = 1  # (split input DMAs make this VPU-bound kernel slower in the cost model: 184 -> 230 us on v5e)
+  row_in = _row_in_specs(p, rows, split)
+  args, in_specs = [h] * split + [dy] * split, row_in * 2
   if p.has_residual:
-    args.append(dh)
-    in_specs.append(row_block)
+    args += [dh] * split
+    in_specs += row_in
   if p.has_scale:
     args.append(scale.reshape(vec))
     in_specs.append(vec_block)
   # One f32 partial column sum per grid step: no two steps (or cores) write the same block.
   partial_block = pl.BlockSpec((None,) + vec, lambda i: (i, 0, 0))
   partial_shape = jax.ShapeDtypeStruct((nblocks,) + vec, jnp.float32)
-  out_specs = [row_block] + [partial_block] * (int(p.has_scale) + int(p.has_bias))
-  out_shape = [jax.ShapeDtypeStruct(h.shape, p.dtype)] + [partial_shape] * (len(out_specs) - 1)
+  n_sums = int(p.has_scale) + int(p.has_bias)
+  out_specs = [row_block] + [partial_block] * n_sums
+  out_shape = [jax.ShapeDtypeStruct(h.shape, p.dtype)] + [partial_shape] * n_sums
+  wide = _wide(p.hidden, p.dtype)  # (wide rows accumulate straight into the output block)
+  scratch = [] if wide else [pltpu.VMEM(_acc_shape(p.hidden, p.dtype), jnp.float32)] * n_sums
   call = pl.pallas_call(
-      functools.partial(_backward_kernel, p=p, rows=rows), grid=grid, in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape,
+      functools.partial(_backward_kernel, p=p, rows=rows, split=split), grid=grid, in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, True)),
       interpret=interpret, name=f"{p.kind}_norm_backward")
   outs = list(call(*args))
   dx = outs.pop(0)
-  dscale = outs.pop(0).sum(axis=0).reshape(p.hidden).astype(scale.dtype) if p.has_scale else None
+  dscale = _column_sum(outs.pop(0), p).astype(scale.dtype) if p.has_scale else None
   return dx, dscale, outs
 
 
@@ -470,7 +595,7 @@ def _pallas_path(x, r, scale, bias, *, p: _Problem, blocks: BlockSizes, interpre
     h, scale, bias = res
     dy, dh = ct if p.has_residual else (ct, None)
     dx, dscale, rest = _pallas_backward(h, dy, dh, scale, p=p, rows=plan.backward_rows, interpret=interpret)
-    dbias = rest[0].sum(axis=0).reshape(p.hidden).astype(bias.dtype) if p.has_bias else None
+    dbias = _column_sum(rest[0], p).astype(bias.dtype) if p.has_bias else None
     return dx, (dx if p.has_residual else None), dscale, dbias
 
   f.defvjp(f_fwd, f_bwd)
