@@ -24,6 +24,17 @@ the block's whole last dimension, which Mosaic's tiling rule allows; nothing is
 padded in HBM. A partial last row block is harmless in the forward pass: Pallas
 writes back only the rows that exist.
 
+*Chunks.* Inside a block the math runs a few rows at a time (16 rows of bf16 at
+H=4096, about 64 KiB of f32), in a loop: a whole block's f32 temporaries would not fit
+the 64 vector registers, and every spilled op pays a VMEM load and store.
+
+*DMAs.* The forward kernel with a single row input (no residual) reads each block as
+two DMAs of half the rows (the same array passed twice, with index maps ``2i`` and
+``2i + 1``). In the compiler's cost model one DMA streams well below the model's HBM
+bandwidth, and two in flight go faster (a plain copy at 8192 x 4096 bf16: 79 -> 64 us
+on v5e, 42 -> 35 us on v6e). Kernels that already read two or more arrays gain nothing
+from it, and the backward kernel, which is bound by vector work in the model, loses.
+
 *Rows per block.* Big enough that the ~0.35 us fixed cost of a grid step is small
 against its DMA, small enough to double-buffer in VMEM. The defaults come from
 ``kernels/data/norm_blocks.json`` (``tools/tune_norm.py``, compiler-estimate sweeps
@@ -46,18 +57,23 @@ before it is normalised, so the norm and the stored ``h`` agree exactly.
 *Backward* (``custom_vjp``, all in one Pallas kernel). The forward saves only its
 input (``h`` with a residual, else ``x``); the backward re-reads it with ``dy`` and
 recomputes the row statistics (cheaper than writing and reading them, in a
-memory-bound kernel). With ``xhat = (h - mean) * rstd`` and ``g = dy * scale``::
+memory-bound kernel). With ``c = h - mean`` (layer) or ``c = h`` (RMS),
+``rstd = 1/sqrt(mean(c^2) + eps)``, ``xhat = c * rstd`` and ``g = dy * scale``::
 
-  dx     = rstd * (g - mean(g) - xhat * mean(g * xhat))      (layer norm)
-  dx     = rstd * (g - xhat * mean(g * xhat))                (RMS norm)
+  dx     = rstd * (g - xhat * mean(g * xhat) [- mean(g)])
+         = g * rstd + c * (-rstd^3 * mean(dy * c * scale)) [- rstd * mean(g)]
   dscale = sum over rows of dy * xhat,   dbias = sum over rows of dy
 
-With a residual, the cotangent of the returned ``h`` is added to ``dx`` in the kernel,
-and ``x`` and ``r`` both receive it. ``dscale`` and ``dbias`` are column sums over all
-rows: each grid step writes its own ``[1, H]`` f32 partial sums to a ``[blocks, 1, H]``
-output (so the row axis stays "parallel" with no race between cores) and a tiny XLA
-sum adds the partials. A partial last block would add stale VMEM (maybe NaN) to those
-sums, so its out-of-range rows are zeroed with a select first.
+The second form is what the kernel computes: ``dy * c`` serves both ``dx`` and
+``dscale``, and ``xhat`` is never formed, a few vector ops per element fewer (the cost
+model finds this kernel bound by vector work, not by HBM). With a residual, the
+cotangent of the returned ``h`` is added to ``dx`` in the kernel, and ``x`` and ``r``
+both receive it. ``dscale`` and ``dbias`` are column sums over all rows: each grid step
+accumulates its chunks into an ``(8, H)`` f32 scratch (plain vector adds), then writes
+its own ``[1, H]`` partial sum to a ``[blocks, 1, H]`` output (so the row axis stays
+"parallel" with no race between cores), and a tiny XLA sum adds the partials. A
+partial last block would add stale VMEM (maybe NaN) to those sums, so its
+out-of-range rows are zeroed with a select first.
 
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the Pallas
 kernel when lowered for TPU and the reference (XLA) elsewhere.
@@ -65,11 +81,11 @@ kernel when lowered for TPU and the reference (XLA) elsewhere.
 *Estimates.* ``tools/tune_norm.py bench`` stores compiler estimates (libtpu's cost
 model, not measurements) of both kernels and of XLA's jnp composition at 8192 rows in
 ``kernels/data/norm_bench.json``; the notebook tabulates them against the nominal HBM
-roofline and against the model's own copy bandwidth (the model's HBM is about twice the
-published figure, so memory-bound estimates can beat the nominal roofline). Known weak
-spots there: the backward kernel spills registers (its f32 temporaries are whole
-blocks) and streams below the model's copy bandwidth, and XLA's RMS norm forward is
-estimated faster than this kernel's on v6e.
+roofline and against the model's own copy bandwidth (the model's HBM is two to four
+times the published figure, so memory-bound estimates beat the nominal roofline).
+Known weak spot there: on v6e the model grants XLA's fusions about twice the HBM
+bandwidth of any Pallas DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas
+kernel), and XLA's RMS norm forward is estimated faster than this kernel's.
 """
 from __future__ import annotations
 
@@ -187,7 +203,8 @@ def _acc_shape(hidden: int, dtype) -> tuple[int, int]:
 
 
 def _vmem_bytes(rows: int, hidden: int, dtype, *, backward: bool, residual: bool, params: int) -> int:
-  """VMEM plan of one kernel: double-buffered blocks plus the f32 temporaries of the math."""
+  """VMEM plan of one kernel: double-buffered blocks plus room for the f32 temporaries the
+  compiler spills (chunked math still spills: up to ~4 block-sized f32 arrays in the backward)."""
   block = (rows,) + _row_shape(hidden, dtype)
   big = [(block, dtype)] * ((4 if residual else 3) if backward else (4 if residual else 2))
   small = ([(_vec_shape(hidden, dtype), jnp.float32)] * params

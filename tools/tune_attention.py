@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib
-import json
 import os
 import platform
 import sys
@@ -34,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -131,11 +131,7 @@ def main():
   ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--force", action="store_true")
   args = ap.parse_args()
-  data = {}
-  if os.path.exists(OUT):
-    with open(OUT, encoding="utf-8") as fh:
-      data = json.load(fh)
-  table = data.get("defaults", {})
+  table = result_tables.load(OUT).get("defaults", {})
   for gen in args.generations:
     if gen in table and "derived_from" not in table[gen].get("bfloat16", {}) and not args.force:
       print(f"{gen}: already tuned (--force to redo)")
@@ -154,9 +150,7 @@ def main():
         "environment": {"jax": jax.__version__, "python": platform.python_version()},
         "defaults": dict(sorted(table.items())),
     }
-    with open(OUT, "w", encoding="utf-8") as fh:
-      json.dump(data, fh, indent=1)
-      fh.write("\n")
+    result_tables.save(data, OUT)
     print(f"wrote {OUT}", flush=True)
 
 
