@@ -859,28 +859,30 @@ def _compiler_params(plan: _Plan):
                               vmem_limit_bytes=plan.vmem_limit)
 
 
-def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, interpret):
-  """q, k, v in the kernel's layout -> (out in that layout, lse [B, H, Sq] f32)."""
-  bq, bkv, nkv = plan.bq, plan.bkv, plan.nkv
-  G = p.group
+def _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, extra=()):
+  """(args, names, in_specs) of a kernel on the forward's grid ``(b, h, q block i, kv block j)``:
+  the small inputs, q, k, v, the ``extra`` ``(name, array, BlockSpec)`` triples, then the segment
+  ids, mask and bias. K/V-side blocks use ``j`` clamped to the kv blocks row block ``i`` can see,
+  so a skipped step re-uses the block already in VMEM (no DMA)."""
+  bq, bkv, nkv, G = plan.bq, plan.bkv, plan.nkv, p.group
+  sq = pl.squeezed
 
-  def kv_j(i, j):
-    if not p.skips:
-      return j
-    lo, hi = _kv_range(p, bq, bkv, nkv, i)
-    return _clamp(j, lo, hi)
-
-  def ids(*g):
+  def ids(*g):  # -> (b, h, i, j clamped)
     b, h, i, j = g[:4]
-    return b, h, i, kv_j(i, j)
+    if p.skips:
+      lo, hi = _kv_range(p, bq, bkv, nkv, i)
+      j = _clamp(j, lo, hi)
+    return b, h, i, j
 
   args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: g[1])
-  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
-              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
-              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3]))]
+  kv_spec = _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3]))
+  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])), kv_spec, kv_spec]
   args = args + [q, k, v]
   names += ["q", "k", "v"]
-  sq = pl.squeezed
+  for name, array, spec in extra:
+    names.append(name)
+    args.append(array)
+    in_specs.append(spec)
   if p.segments:
     in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], g[2], 0)),
                  pl.BlockSpec((sq, 1, bkv), lambda *g: (g[0], 0, ids(*g)[3]))]
@@ -894,6 +896,14 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
     in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, ids))
     args.append(bias)
     names.append("bias")
+  return args, names, in_specs
+
+
+def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, interpret):
+  """q, k, v in the kernel's layout -> (out in that layout, lse [B, H, Sq] f32)."""
+  bq = plan.bq
+  args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan)
+  sq = pl.squeezed
   out_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
                pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
   out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype),
@@ -901,7 +911,7 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
   names += ["o", "lse", "m", "l", "acc", "qs"]
   scratch = [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, p.d), jnp.float32),
              pltpu.VMEM((bq, p.d), p.dtype)]
-  grid = (p.b, p.h, plan.nq, nkv)
+  grid = (p.b, p.h, plan.nq, plan.nkv)
   frac = 0.5 if p.causal else 1.0
   isz = p.dtype.itemsize
   cost = pl.CostEstimate(flops=int(4 * p.b * p.h * p.sq * p.skv * p.d * frac),
@@ -927,39 +937,13 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   frac = 0.5 if p.causal else 1.0
 
   # --- dq: the forward's grid -------------------------------------------------------
-  def kv_j(i, j):
-    if not p.skips:
-      return j
-    lo, hi = _kv_range(p, bq, bkv, nkv, i)
-    return _clamp(j, lo, hi)
-
-  def ids(*g):
-    b, h, i, j = g[:4]
-    return b, h, i, kv_j(i, j)
-
-  args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: g[1])
-  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
-              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
-              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3])),
-              _seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
-              pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0)),
-              pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
   sq_pad = lse.shape[-1]   # lse and delta come padded to whole q blocks
-  args = args + [q, k, v, do, lse.reshape(p.b, p.h, sq_pad, 1), delta.reshape(p.b, p.h, sq_pad, 1)]
-  names += ["q", "k", "v", "do", "lse", "delta"]
-  if p.segments:
-    in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], g[2], 0)),
-                 pl.BlockSpec((sq, 1, bkv), lambda *g: (g[0], 0, ids(*g)[3]))]
-    args += [seg_q.astype(jnp.int32).reshape(p.b, p.sq, 1), seg_kv.astype(jnp.int32).reshape(p.b, 1, p.skv)]
-    names += ["segq", "segk"]
-  if p.mask_shape is not None:
-    in_specs.append(_dense_block(p, p.mask_shape, bq, bkv, ids))
-    args.append(mask.astype(jnp.int8))
-    names.append("mask")
-  if p.bias_shape is not None:
-    in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, ids))
-    args.append(bias)
-    names.append("bias")
+  row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))
+  extra = [("do", do, _seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2]))),
+           ("lse", lse.reshape(p.b, p.h, sq_pad, 1), row_stat),
+           ("delta", delta.reshape(p.b, p.h, sq_pad, 1), row_stat)]
+  args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan,
+                                          extra=extra)
   out_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2]))]
   out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype)]
   names.append("dq")
