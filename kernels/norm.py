@@ -103,7 +103,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, TilingError, check
+from kernels.errors import KernelError, check
 from kernels.hardware import get_chip
 
 __all__ = ["BlockSizes", "default_block_sizes", "fit_block_sizes", "layer_norm", "layer_norm_reference",
