@@ -210,7 +210,9 @@ def _vmem_bytes(rows: int, hidden: int, dtype, *, backward: bool, residual: bool
   small = ([(_vec_shape(hidden, dtype), jnp.float32)] * params
            + ([(_vec_shape(hidden, dtype), jnp.float32), (_acc_shape(hidden, dtype), jnp.float32)] * params
               if backward else []))
-  temps = [(block, jnp.float32)] * (4 if backward else 3)
+  # Spills come from the chunks of one unrolled loop body, not from the whole block.
+  chunk = min(rows, _chunk_rows(rows, hidden, dtype) * _UNROLL)
+  temps = [((chunk,) + _row_shape(hidden, dtype), jnp.float32)] * (4 if backward else 3)
   return tiling.vmem_footprint(big + small, scratch=temps)
 
 
@@ -336,14 +338,13 @@ def rms_norm_reference(x, scale=None, *, eps=1e-6, residual=None):
 # The math runs on chunks of CHUNK_BYTES of f32 rows at a time, never on the whole block: a whole
 # block's f32 temporaries do not fit the 64 vector registers, so Mosaic spills them to VMEM
 # (8 MiB of spills in the backward at 256 x 4096) and every op pays a load and a store.
-CHUNK_BYTES = int(os.environ.get("KERNELS_NORM_CHUNK_BYTES", 64 << 10))
-_UNROLL = int(os.environ.get("KERNELS_NORM_UNROLL", 8))  # chunk loops longer than this run as a fori_loop unrolled this many times
-_STATIC = int(os.environ.get("KERNELS_NORM_STATIC", 8))
+CHUNK_BYTES = 64 << 10
+_UNROLL = 8  # chunk loops longer than this run as a fori_loop unrolled this many times
 # Each row input of a block is fetched as this many DMAs of rows/INPUT_SPLIT rows (the same array
 # passed that many times, with index maps split*i + j): the compiler's cost model streams one DMA at
 # well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
 # v6e, compiler estimates). Outputs stay one DMA each (an output array has one BlockSpec).
-INPUT_SPLIT = int(os.environ.get("KERNELS_NORM_INPUT_SPLIT", 2))
+INPUT_SPLIT = 2
 
 
 def _chunk_rows(rows: int, hidden: int, dtype) -> int:
@@ -366,7 +367,7 @@ def _for_each_chunk(rows: int, split: int, chunk: int, body):
   (``start`` is within the part: an int, or a traced multiple of ``chunk``)."""
   n, rem = divmod(rows // split, chunk)
   for part in range(split):
-    if n <= _STATIC:
+    if n <= _UNROLL:
       for j in range(n):
         body(part, j * chunk, chunk)
     else:
@@ -530,6 +531,20 @@ def _row_in_specs(p: _Problem, rows: int, split: int):
           for j in range(split)]
 
 
+def _pinned(args, interpret):
+  """The kernel's row operands, constrained to stay in HBM; small parameters stay free.
+
+  Left free, XLA may place an operand in VMEM (a 16 or 64 MiB array fits in v5e's 128 MiB)
+  without leaving room for the VMEM the kernel itself asks for, and a program with both
+  passes then fails to compile ("Ran out of memory in memory space vmem"; seen at 8192 x 1024
+  and 8192 x 4096 on v5e). The price, in the cost model: forward + backward estimates about
+  15% slower than with XLA's VMEM prefetch (RMS add-and-norm at 8192 x 4096 on v5e)."""
+  if interpret:
+    return args
+  return [pltpu.with_memory_space_constraint(a, pltpu.HBM) if a.ndim >= 2 and a.size >= (1 << 16) else a
+          for a in args]
+
+
 def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret):
   grid, limit = _rows_plan(p, rows, backward=False)
   row_block, vec_block = _specs(p, rows)
@@ -551,7 +566,7 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret):
       cost_estimate=pl.CostEstimate(flops=8 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, False)),
       interpret=interpret, name=f"{p.kind}_norm")
-  outs = call(*args)
+  outs = call(*_pinned(args, interpret))
   return outs[0], (outs[1] if p.has_residual else None)
 
 
@@ -589,7 +604,7 @@ def _pallas_backward(h, dy, dh, scale, *, p: _Problem, rows: int, interpret):
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, True)),
       interpret=interpret, name=f"{p.kind}_norm_backward")
-  outs = list(call(*args))
+  outs = list(call(*_pinned(args, interpret)))
   dx = outs.pop(0)
   dscale = _column_sum(outs.pop(0), p).astype(scale.dtype) if p.has_scale else None
   return dx, dscale, outs
