@@ -532,13 +532,14 @@ def _row_in_specs(p: _Problem, rows: int, split: int):
 
 
 def _pinned(args, interpret):
-  """The kernel's row operands, constrained to stay in HBM; small parameters stay free.
+  """The backward kernel's row operands, constrained to stay in HBM; small parameters stay free.
 
-  Left free, XLA may place an operand in VMEM (a 16 or 64 MiB array fits in v5e's 128 MiB)
-  without leaving room for the VMEM the kernel itself asks for, and a program with both
-  passes then fails to compile ("Ran out of memory in memory space vmem"; seen at 8192 x 1024
-  and 8192 x 4096 on v5e). The price, in the cost model: forward + backward estimates about
-  15% slower than with XLA's VMEM prefetch (RMS add-and-norm at 8192 x 4096 on v5e)."""
+  Left free, XLA may place them in VMEM (a 16 or 64 MiB array fits in v5e's 128 MiB) without
+  leaving room for the VMEM the kernel itself asks for, and the program then fails to compile
+  ("Ran out of memory in memory space vmem"; seen in forward + backward programs at 8192 x 1024
+  and 8192 x 4096 on v5e). The forward kernel's operands did not cause it and stay free. The
+  price, in the cost model: RMS add-and-norm forward + backward at 8192 x 4096 on v5e is
+  estimated about 15% slower than with XLA's VMEM placement (256/128 rows)."""
   if interpret:
     return args
   return [pltpu.with_memory_space_constraint(a, pltpu.HBM) if a.ndim >= 2 and a.size >= (1 << 16) else a
@@ -566,7 +567,7 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret):
       cost_estimate=pl.CostEstimate(flops=8 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, False)),
       interpret=interpret, name=f"{p.kind}_norm")
-  outs = call(*_pinned(args, interpret))
+  outs = call(*args)
   return outs[0], (outs[1] if p.has_residual else None)
 
 

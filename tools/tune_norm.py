@@ -57,9 +57,9 @@ BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
 # forward + backward programs are version 2 (they return the residual's gradient once; see _program);
-# our kernel is version 4 (chunked math, split input DMAs, cheaper backward, operands pinned to HBM: 2026-11-22).
+# our kernel is version 5 (chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22).
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 4
+KERNEL_VERSION = 5
 
 
 def _version(cfg) -> int:
