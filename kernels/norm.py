@@ -81,11 +81,14 @@ kernel when lowered for TPU and the reference (XLA) elsewhere.
 *Estimates.* ``tools/tune_norm.py bench`` stores compiler estimates (libtpu's cost
 model, not measurements) of both kernels and of XLA's jnp composition at 8192 rows in
 ``kernels/data/norm_bench.json``; the notebook tabulates them against the nominal HBM
-roofline and against the model's own copy bandwidth (the model's HBM is two to four
-times the published figure, so memory-bound estimates beat the nominal roofline).
-Known weak spot there: on v6e the model grants XLA's fusions about twice the HBM
-bandwidth of any Pallas DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas
-kernel), and XLA's RMS norm forward is estimated faster than this kernel's.
+roofline and against the model's own copy bandwidth (with outputs left to XLA, as here
+and in XLA's fusions, a plain copy is estimated at about twice the published HBM
+bandwidth, so memory-bound estimates beat the nominal roofline). Known weak spots
+there: on v6e the model grants XLA's fusions about twice the bandwidth of any Pallas
+DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas kernel), and XLA's RMS norm
+forward is estimated faster than this kernel's; the RMS add-and-norm forward +
+backward is estimated only 1.1x faster than XLA's (the backward is bound by vector
+work in the model).
 """
 from __future__ import annotations
 
