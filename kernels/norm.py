@@ -207,7 +207,7 @@ def _acc_shape(hidden: int, dtype) -> tuple[int, int]:
 
 def _vmem_bytes(rows: int, hidden: int, dtype, *, backward: bool, residual: bool, params: int) -> int:
   """VMEM plan of one kernel: double-buffered blocks plus room for the f32 temporaries the
-  compiler spills (chunked math still spills: up to ~4 block-sized f32 arrays in the backward)."""
+  compiler spills (those of one unrolled chunk loop body, see _for_each_chunk)."""
   block = (rows,) + _row_shape(hidden, dtype)
   big = [(block, dtype)] * ((4 if residual else 3) if backward else (4 if residual else 2))
   small = ([(_vec_shape(hidden, dtype), jnp.float32)] * params
@@ -339,8 +339,9 @@ def rms_norm_reference(x, scale=None, *, eps=1e-6, residual=None):
 
 
 # The math runs on chunks of CHUNK_BYTES of f32 rows at a time, never on the whole block: a whole
-# block's f32 temporaries do not fit the 64 vector registers, so Mosaic spills them to VMEM
-# (8 MiB of spills in the backward at 256 x 4096) and every op pays a load and a store.
+# block's f32 temporaries do not fit the 64 vector registers, so Mosaic spills all of them to VMEM
+# and every op pays a load and a store (RMS backward with a residual, 256 x 4096 rows on v5e,
+# compiler estimates: 207.6 us on whole blocks, 189.2 us in 16-row chunks).
 CHUNK_BYTES = 64 << 10
 _UNROLL = 8  # chunk loops longer than this run as a fori_loop unrolled this many times
 # Each row input of a block is fetched as this many DMAs of rows/INPUT_SPLIT rows (the same array
@@ -445,6 +446,8 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int):
   for ref in accs:
     ref[...] = jnp.zeros(ref.shape, ref.dtype)
   ragged = p.n_rows % rows != 0  # the last block's out-of-range rows hold stale VMEM (maybe NaN)
+  # (read here, not in the chunk loop: interpret mode cannot lower program_id inside a fori_loop)
+  block_start = pl.program_id(0) * rows if ragged else None
 
   def chunk(part, start, size):
     at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
@@ -467,7 +470,7 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int):
       return
     dxhat = dyc * rstd  # dy * xhat
     if ragged:  # keep the out-of-range rows (stale VMEM, maybe NaN) out of the column sums
-      first = pl.program_id(0) * rows + part * (rows // split) + start
+      first = block_start + part * (rows // split) + start
       valid = first + lax.broadcasted_iota(jnp.int32, (size,) + (1,) * len(axes), 0) < p.n_rows
       dy = jnp.where(valid, dy, 0.0)
       dxhat = jnp.where(valid, dxhat, 0.0)
@@ -534,8 +537,8 @@ def _row_in_specs(p: _Problem, rows: int, split: int):
           for j in range(split)]
 
 
-def _pinned(args, interpret):
-  """The backward kernel's row operands, constrained to stay in HBM; small parameters stay free.
+def _in_hbm(a, interpret):
+  """``a`` constrained to stay in HBM (the backward kernel's row operands).
 
   Left free, XLA may place them in VMEM (a 16 or 64 MiB array fits in v5e's 128 MiB) without
   leaving room for the VMEM the kernel itself asks for, and the program then fails to compile
@@ -543,10 +546,7 @@ def _pinned(args, interpret):
   and 8192 x 4096 on v5e). The forward kernel's operands did not cause it and stay free. The
   price, in the cost model: RMS add-and-norm forward + backward at 8192 x 4096 on v5e is
   estimated about 15% slower than with XLA's VMEM placement (256/128 rows)."""
-  if interpret:
-    return args
-  return [pltpu.with_memory_space_constraint(a, pltpu.HBM) if a.ndim >= 2 and a.size >= (1 << 16) else a
-          for a in args]
+  return a if interpret else pltpu.with_memory_space_constraint(a, pltpu.HBM)
 
 
 def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret):
@@ -586,9 +586,10 @@ def _pallas_backward(h, dy, dh, scale, *, p: _Problem, rows: int, interpret):
   vec = _vec_shape(p.hidden, p.dtype)
   split = 1  # (split input DMAs make this VPU-bound kernel slower in the cost model: 184 -> 230 us on v5e)
   row_in = _row_in_specs(p, rows, split)
+  h, dy = _in_hbm(h, interpret), _in_hbm(dy, interpret)
   args, in_specs = [h] * split + [dy] * split, row_in * 2
   if p.has_residual:
-    args += [dh] * split
+    args += [_in_hbm(dh, interpret)] * split
     in_specs += row_in
   if p.has_scale:
     args.append(scale.reshape(vec))
@@ -608,7 +609,7 @@ def _pallas_backward(h, dy, dh, scale, *, p: _Problem, rows: int, interpret):
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, True)),
       interpret=interpret, name=f"{p.kind}_norm_backward")
-  outs = list(call(*_pinned(args, interpret)))
+  outs = list(call(*args))
   dx = outs.pop(0)
   dscale = _column_sum(outs.pop(0), p).astype(scale.dtype) if p.has_scale else None
   return dx, dscale, outs

@@ -14,7 +14,6 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|; outputs are O(1)):
 * gradients (f32): the same formulas in a different order: 1e-4 of the largest entry.
 """
 import importlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +138,26 @@ def test_wide_rows_any_row_count(kind, dtype, monkeypatch):
   got = _vjp_all(lambda *a, **k: call(*a, block_sizes=3, **k), kind, x, r, scale, bias, cts)
   for g, w in zip(got, want):
     np.testing.assert_allclose(f64(g), f64(w), atol=2e-2 * np.abs(f64(w)).max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [512, 600])
+def test_chunk_loop_split_reads_and_ragged_blocks(kind, rows):
+  # 600 x 1024 f32: 16-row chunks. rows=512: two blocks (the last ragged, 88 rows), each read as two
+  # DMAs of 256 rows whose chunks run in a fori_loop; rows=600: one block of all rows, 37 chunks
+  # plus an 8-row remainder.
+  x, r = rand((600, 1024), loc=1.0), rand((600, 1024), seed=1)
+  scale, bias = params(kind, 1024)
+  assert nm._chunk_rows(rows, 1024, jnp.float32) == 16
+  y, h = call(kind, x, scale, bias, residual=r, block_sizes=rows)
+  assert_close(y, oracle(kind, x, scale, bias, residual=r)[0], jnp.float32)
+  cts = (rand(x.shape, seed=2), rand(x.shape, seed=3))
+  got = _vjp_all(lambda *a, **k: call(*a, block_sizes=rows, **k), kind, x, r, scale, bias, cts)
+  want = _vjp_all(reference, kind, x, r, scale, bias, cts)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(f64(g), f64(w), rtol=GRAD_RTOL, atol=GRAD_RTOL * np.abs(f64(w)).max())
+  # Without a residual the forward reads x as two DMAs (rows=512) or one (all rows).
+  assert_close(call(kind, x, scale, bias, block_sizes=rows), oracle(kind, x, scale, bias)[0], jnp.float32)
 
 
 def test_no_scale_no_bias_and_scale_only():
