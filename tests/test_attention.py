@@ -114,6 +114,7 @@ def test_forward_features(kw, layout):
     (200, 300, 4, 1, 96),     # MQA, cross-attention, odd head_dim
     (3, 260, 2, 2, 80),       # decode: a few queries against a longer cache
     (300, 130, 2, 1, 64),     # more queries than keys: causal rows before the cache see nothing
+    (130, 200, 2, 1, 256),    # head_dim 256: m, l and alpha tiled over two 128-lane groups
 ])
 def test_odd_shapes_gqa_and_cross_attention(sq, skv, h, kvh, d):
   q, k, v = qkv(sq=sq, skv=skv, h=h, kvh=kvh, d=d)

@@ -9,7 +9,8 @@ GQA, sliding window) and each TPU generation in ``--generations`` it estimates:
 * ``splash``: the multi-head splash attention kernel
   (``jax.experimental.pallas.ops.tpu.splash_attention``, ``CausalMask`` / ``FullMask`` /
   ``LocalMask``) at its default block sizes and a few others;
-* ``ours``: ``kernels.flash_attention`` at its defaults (when the module exists).
+* ``ours``: ``kernels.flash_attention`` at its defaults and a few other forward block
+  sizes (when the module exists).
 
 Every number is a **compiler estimate** (``kernels.estimate_tpu``), never a
 measurement. Each peer gets its inputs in its own native layout (XLA:
@@ -273,14 +274,20 @@ def _sp(bq, bkv, bkvc, bwd):
 
 
 TARGET = case(8192, 128, True, False)
+def _ours(bq, bkv, _compute, bwd):
+  # (ours computes in KV_COMPUTE-key sub-blocks whatever bkv is; the backward keeps its defaults)
+  return {"block_q": bq, "block_kv": bkv, "block_q_bwd": 512, "block_kv_bwd": 512}
+
+
 SWEEP = {  # (block_q, block_k_major or block_kv, block_k or block_kv_compute)
     "jax_flash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512)),
     "splash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512)),
+    "ours": ((2048, 512, None), (2048, 1024, None), (512, 512, None)),  # (default: 1024 / 1024)
 }
 
 
 def _make_blocks(peer, triple, bwd):
-  return (_jf if peer == "jax_flash" else _sp)(*triple, bwd)
+  return {"jax_flash": _jf, "splash": _sp, "ours": _ours}[peer](*triple, bwd)
 
 
 def candidates(peer, c, table=None, gen=None):
@@ -301,7 +308,7 @@ def candidates(peer, c, table=None, gen=None):
       d = json.loads(name)
       key = "block_k_major" if peer == "jax_flash" else "block_kv"
       minor = "block_k" if peer == "jax_flash" else "block_kv_compute"
-      triples.append((d["block_q"], d[key], d[minor]))
+      triples.append((d["block_q"], d[key], d.get(minor)))
   out = [None]
   for t in triples:
     if t[0] <= s and t[1] <= s:
