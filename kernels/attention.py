@@ -120,6 +120,12 @@ script stores its own in the JSON):
 * S=2048 causal forward at the defaults (1024/1024): TPU v5e 87.0 us (BHSD, 8 heads),
   110.1 us (BSHD read in place, 8 q heads / 2 kv heads); TPU v6e 58.7 us (BHSD).
 
+* After the lane-replicated ``m``/``l`` and the 512-key sub-blocks (2026-11-22; 2 heads,
+  BHSD, defaults; ``kernels/data/attention_bench.json`` has the rest): non-causal
+  forward S=8192: v5e 446.9 us (78.0% of the MXU roofline), v6e 235.1 us; causal
+  forward S=8192: v6e 54.6 us (87.0 before); non-causal forward + backward S=4096:
+  v5e 496.8 us, v6e 263.2 us.
+
 Caveat: the causal estimates come out *faster* than the causal roofline
 (``2 S^2 D`` per head) even though diagonal blocks do full work (172.8 us is
 101% of it), so the cost model under-charges this kernel's ``pl.when`` branches
