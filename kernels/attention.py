@@ -73,8 +73,8 @@ q_len + i``. The denominator ``l`` sums the probabilities before dropout.
 *Backward* (``custom_vjp``). The forward saves ``lse``; ``D = rowsum(dO * O)`` is one
 XLA reduction. Two kernels:
 
-* dk/dv: grid ``(batch, kv_heads, kv_len/block_kv, group * q_len/block_q)``; the
-  inner axis walks the q blocks of every q head in the group, so dk and dv are
+* dk/dv: grid ``(batch, kv_heads, kv_len/block_kv, group, q_len/block_q)``; the two
+  inner axes walk the q blocks of every q head in the group, so dk and dv are
   summed over the GQA group in VMEM without races. It computes the transposed tile
   ``s^T = k q^T`` (``block_kv x block_q``), which keeps every matmul in the MXU's
   native form (``p^T dO``, ``v dO^T``, ``ds^T q``) and puts ``lse`` and ``D`` on the
@@ -469,6 +469,8 @@ class _Plan:
   vmem_limit: int | None
   exp_bf16: bool = False  # forward exponentials in bf16 (v6e's EUP has a bf16 path; v4/v5 do not)
   bkv_compute: int = 0    # forward: keys per sub-block of the math inside a kv block
+  bq_masked: int = 0      # forward, causal / window: a block that needs masking runs in
+  bkv_masked: int = 0     # (bq_masked, bkv_masked) tiles, each skipped, unmasked or masked
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
@@ -512,6 +514,15 @@ def _kv_compute(bkv: int) -> int:
   return KV_COMPUTE if bkv % KV_COMPUTE == 0 else bkv
 
 
+# The forward cuts a causal / window block that needs masking into tiles of at most this many
+# rows and keys: most of a diagonal block is then either skipped or run without mask arithmetic.
+MASKED_TILE = 512
+
+
+def _masked_tile(block: int) -> int:
+  return MASKED_TILE if block % MASKED_TILE == 0 else block
+
+
 def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
   chip = target_chip()
   if blocks is None:
@@ -532,11 +543,19 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
   exp_bf16 = (_EXP_BF16 and not backward and chip is not None and chip.name == "v6e" and p.dtype == jnp.bfloat16
               and not p.dropout_rate)
   bkc = bkv if backward else _kv_compute(bkv)
-  return _Plan(bq, bkv, tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv), inplace, limit, exp_bf16, bkc)
+  tiles = (_masked_tile(bq), _masked_tile(bkv)) if p.skips and not backward else (bq, bkc)
+  return _Plan(bq, bkv, tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv), inplace, limit, exp_bf16, bkc, *tiles)
 
 
 def _floor_div(x, n: int):
-  """floor(x / n) for traced int32 ``x`` >= -n (only -1 is needed below 0)."""
+  """floor(x / n) for traced int32 ``x`` >= -n (only -1 is needed below 0).
+
+  A power of two is an arithmetic shift. That is not for speed: libtpu's cost model
+  evaluates a scalar ``lax.div`` / ``lax.rem`` as 0, so a block range computed with
+  them makes the model skip blocks that run (a causal forward came out at 189% of
+  its roofline); shifts, products and comparisons it evaluates correctly."""
+  if n & (n - 1) == 0:
+    return lax.shift_right_arithmetic(x, jnp.int32(n.bit_length() - 1))
   return jnp.where(x < 0, -1, lax.div(jnp.maximum(x, 0), n))
 
 
@@ -548,7 +567,7 @@ def _kv_range(p: _Problem, bq: int, bkv: int, nkv: int, i):
   if p.causal:
     hi = jnp.minimum(hi, _floor_div(r1 + p.offset, bkv))
   if p.window is not None:
-    lo = lax.div(jnp.maximum(r0 + p.offset - p.window + 1, 0), bkv)
+    lo = _floor_div(jnp.maximum(r0 + p.offset - p.window + 1, 0), bkv)
     if not p.causal:
       hi = jnp.minimum(hi, _floor_div(r1 + p.offset + p.window - 1, bkv))
   return lo, hi
@@ -560,11 +579,11 @@ def _q_range(p: _Problem, bq: int, bkv: int, nq: int, j):
   c1 = jnp.minimum(j * bkv + bkv - 1, p.skv - 1)
   lo, hi = jnp.int32(0), jnp.int32(nq - 1)
   if p.causal:
-    lo = lax.div(jnp.maximum(c0 - p.offset, 0), bq)
+    lo = _floor_div(jnp.maximum(c0 - p.offset, 0), bq)
   if p.window is not None:
     hi = jnp.minimum(hi, _floor_div(c1 + p.window - 1 - p.offset, bq))
     if not p.causal:
-      lo = lax.div(jnp.maximum(c0 - p.offset - p.window + 1, 0), bq)
+      lo = _floor_div(jnp.maximum(c0 - p.offset - p.window + 1, 0), bq)
   return jnp.minimum(lo, nq - 1), hi
 
 
@@ -577,14 +596,19 @@ def _full_block(p: _Problem, bq: int, bkv: int, i, j, q_tail: bool):
 
   ``q_tail``: also require the q block to lie inside q_len (the dk/dv kernel reads q rows
   as columns, so the q tail must be masked there)."""
+  return _full_tile(p, i * bq, i * bq + bq - 1, j * bkv, j * bkv + bkv - 1, q_tail and p.sq % bq != 0,
+                    p.skv % bkv != 0)
+
+
+def _full_tile(p: _Problem, r0, r1, c0, c1, q_tail: bool = False, kv_tail: bool = True):
+  """True (traced) when every pair of query rows ``r0..r1`` x keys ``c0..c1`` is visible.
+  Products and comparisons only: the cost model evaluates those (not divisions)."""
   if p.always_masked:
     return False
-  c0, c1 = j * bkv, j * bkv + bkv - 1
-  r0, r1 = i * bq, i * bq + bq - 1
   conds = []
-  if p.skv % bkv:
+  if kv_tail:
     conds.append(c1 < p.skv)
-  if q_tail and p.sq % bq:
+  if q_tail:
     conds.append(r1 < p.sq)
   if p.causal:
     conds.append(c1 <= r0 + p.offset)
@@ -594,6 +618,29 @@ def _full_block(p: _Problem, bq: int, bkv: int, i, j, q_tail: bool):
       conds.append(c1 <= r0 + p.offset + p.window - 1)
   out = True
   for c in conds:
+    out = jnp.logical_and(out, c)
+  return out
+
+
+def _block_needed(p: _Problem, bq: int, bkv: int, i, j):
+  """True (traced) unless causal / window structure masks all of block (i, j): the body's
+  skip test (the index maps clamp with :func:`_kv_range` / :func:`_q_range`)."""
+  return _tile_needed(p, i * bq, jnp.minimum(i * bq + bq - 1, p.sq - 1), j * bkv,
+                      jnp.minimum(j * bkv + bkv - 1, p.skv - 1))
+
+
+def _tile_needed(p: _Problem, r0, r1, c0, c1):
+  """True (traced) unless causal / window structure or the kv tail masks every pair of query
+  rows ``r0..r1`` x keys ``c0..c1``."""
+  conds = [c0 < p.skv]
+  if p.causal:
+    conds.append(c0 <= r1 + p.offset)
+  if p.window is not None:
+    conds.append(c1 >= r0 + p.offset - p.window + 1)
+    if not p.causal:
+      conds.append(c0 <= r1 + p.offset + p.window - 1)
+  out = conds[0]
+  for c in conds[1:]:
     out = jnp.logical_and(out, c)
   return out
 
@@ -652,17 +699,17 @@ class _Refs:
     self.__dict__.update(zip(names, refs))
 
 
-def _visibility_tile(p, r, qpos, kpos, b, h, i_ids, kv_cols=slice(None)):
+def _visibility_tile(p, r, qpos, kpos, b, h, i_ids, kv_cols=slice(None), q_rows=slice(None)):
   """The full visibility predicate of one tile (positions broadcast to the tile's orientation);
-  ``kv_cols``: the kv sub-block of the segment / mask tiles (forward)."""
+  ``q_rows`` / ``kv_cols``: the sub-tile of the segment / mask tiles (forward)."""
   vis = _visible(p, qpos, kpos)
   kv_ok = kpos < p.skv
   vis = kv_ok if vis is None else jnp.logical_and(vis, kv_ok)
   vis = jnp.logical_and(vis, qpos < p.sq)
   if p.segments:
-    vis = jnp.logical_and(vis, r.segq[...] == r.segk[:, kv_cols])
+    vis = jnp.logical_and(vis, r.segq[q_rows, :] == r.segk[:, kv_cols])
   if p.mask_shape is not None:
-    vis = jnp.logical_and(vis, r.mask[:, kv_cols] != 0)
+    vis = jnp.logical_and(vis, r.mask[q_rows, kv_cols] != 0)
   return vis
 
 
@@ -682,47 +729,64 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
     r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
 
+  def tile(rows, c: int, bkc: int, masked: bool):
+    """The online-softmax update of q rows ``rows`` (a static slice of the block) by keys
+    ``c * bkc ..`` of the kv block."""
+    q = r.qs[rows, :]
+    nr = q.shape[0]
+    cols = pl.ds(c * bkc, bkc)
+    k, v = r.k[cols, :], r.v[cols, :]
+    k0 = j * bkv + c * bkc  # first key of the sub-block
+    if masked and p.skv % bkv:
+      k = _zero_rows(k, p.skv - k0)
+      v = _zero_rows(v, p.skv - k0)
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    s = _soft_cap(s, p.softcap)
+    if p.bias_shape is not None:
+      s = s + r.bias[rows, cols].astype(jnp.float32)
+    qpos = i * bq + rows.start + lax.broadcasted_iota(jnp.int32, (nr, 1), 0)
+    kpos = k0 + lax.broadcasted_iota(jnp.int32, (1, bkc), 1)
+    if masked:
+      s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i, cols, rows), s, NEG_INF)
+    m_prev = r.m[rows, :]  # (rows, 128): the row's value in every lane
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    # a row with nothing visible yet keeps m = -inf: subtract 0 so exp gives 0, not NaN
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+    m_wide = _lanes(m_use, bkc)
+    if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
+      e = jnp.exp((s - m_wide).astype(jnp.bfloat16))
+      row_sum = e.astype(jnp.float32).sum(axis=1, keepdims=True)
+    else:
+      e = jnp.exp(s - m_wide)
+      row_sum = e.sum(axis=1, keepdims=True)
+    alpha = jnp.exp(m_prev - m_use)
+    r.l[rows, :] = alpha * r.l[rows, :] + row_sum
+    if p.dropout_rate:
+      keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
+      e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+    r.acc[rows, :] = _lanes(alpha, p.d) * r.acc[rows, :] + lax.dot_general(
+        e.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+    r.m[rows, :] = m_new
+
   def step(masked: bool):
-    q = r.qs[...]
-    bkc = plan.bkv_compute
-    for c in range(bkv // bkc):  # kv sub-blocks: smaller f32 temporaries, same DMA block
-      cols = pl.ds(c * bkc, bkc)
-      k, v = r.k[cols, :], r.v[cols, :]
-      k0 = j * bkv + c * bkc  # first key of the sub-block
-      if masked and p.skv % bkv:
-        k = _zero_rows(k, p.skv - k0)
-        v = _zero_rows(v, p.skv - k0)
-      s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
-      s = _soft_cap(s, p.softcap)
-      if p.bias_shape is not None:
-        s = s + r.bias[:, cols].astype(jnp.float32)
-      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-      kpos = k0 + lax.broadcasted_iota(jnp.int32, (1, bkc), 1)
-      if masked:
-        s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i, cols), s, NEG_INF)
-      m_prev = r.m[...]  # (bq, 128): the row's value in every lane
-      m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-      # a row with nothing visible yet keeps m = -inf: subtract 0 so exp gives 0, not NaN
-      m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-      m_wide = _lanes(m_use, bkc)
-      if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
-        e = jnp.exp((s - m_wide).astype(jnp.bfloat16))
-        row_sum = e.astype(jnp.float32).sum(axis=1, keepdims=True)
-      else:
-        e = jnp.exp(s - m_wide)
-        row_sum = e.sum(axis=1, keepdims=True)
-      alpha = jnp.exp(m_prev - m_use)
-      r.l[...] = alpha * r.l[...] + row_sum
-      if p.dropout_rate:
-        keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
-        e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
-      r.acc[...] = _lanes(alpha, p.d) * r.acc[...] + lax.dot_general(e.astype(v.dtype), v, _NN,
-                                                        preferred_element_type=jnp.float32)
-      r.m[...] = m_new
+    # kv sub-blocks: smaller f32 temporaries, same DMA block
+    if not masked or (plan.bq_masked, plan.bkv_masked) == (bq, plan.bkv_compute):
+      for c in range(bkv // plan.bkv_compute):
+        tile(pl.ds(0, bq), c, plan.bkv_compute, masked)
+      return
+    # A block crossing the causal diagonal / window edge: cut it into (bq_masked, bkv_masked)
+    # tiles, each skipped, run unmasked or run masked on its own (a 1024 x 1024 diagonal block
+    # in 512 x 512 tiles: one skipped, one unmasked, two masked).
+    rq, ck = plan.bq_masked, plan.bkv_masked
+    for a in range(bq // rq):
+      for c in range(bkv // ck):
+        r0, c0 = i * bq + a * rq, j * bkv + c * ck
+        needed = _tile_needed(p, r0, r0 + rq - 1, c0, c0 + ck - 1)
+        full = _full_tile(p, r0, r0 + rq - 1, c0, c0 + ck - 1, kv_tail=p.skv % bkv != 0)
+        _branches(needed, full, functools.partial(tile, pl.ds(a * rq, rq), c, ck))
 
   if p.skips:
-    lo, hi = _kv_range(p, bq, bkv, plan.nkv, i)
-    needed = jnp.logical_and(j >= lo, j <= hi)
+    needed = _block_needed(p, bq, bkv, i, j)
   else:
     needed = True
   _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=False), step)
@@ -774,8 +838,7 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
   if p.skips:
-    lo, hi = _kv_range(p, bq, bkv, plan.nkv, i)
-    needed = jnp.logical_and(j >= lo, j <= hi)
+    needed = _block_needed(p, bq, bkv, i, j)
     if p.bias_shape is not None:  # the bias gradient tile of a skipped block is zero
       @pl.when(jnp.logical_not(needed))
       def _zero():
@@ -791,12 +854,11 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
 
 def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
   r = _Refs(refs, names)
-  b, kh, j, t = (pl.program_id(a) for a in range(4))
-  h = kh * p.group + lax.div(t, plan.nq)
-  i = lax.rem(t, plan.nq)
+  b, kh, j, g, i = (pl.program_id(a) for a in range(5))
+  h = kh * p.group + g
   bq, bkv = plan.bq, plan.bkv
 
-  @pl.when(t == 0)
+  @pl.when(jnp.logical_and(g == 0, i == 0))
   def _init():
     r.dk_acc[...] = jnp.zeros(r.dk_acc.shape, jnp.float32)
     r.dv_acc[...] = jnp.zeros(r.dv_acc.shape, jnp.float32)
@@ -836,13 +898,12 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
 
   if p.skips:
-    lo, hi = _q_range(p, bq, bkv, plan.nq, j)
-    needed = jnp.logical_and(i >= lo, i <= hi)
+    needed = _block_needed(p, bq, bkv, i, j)
   else:
     needed = True
   _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=True), step)
 
-  @pl.when(t == p.group * plan.nq - 1)
+  @pl.when(jnp.logical_and(g == p.group - 1, i == plan.nq - 1))
   def _finish():
     r.dk[...] = r.dk_acc[...].astype(r.dk.dtype)
     r.dv[...] = r.dv_acc[...].astype(r.dv.dtype)
@@ -911,8 +972,9 @@ def _small_inputs(p: _Problem, seed, sinks, head):
   return args, names, specs
 
 
-def _compiler_params(plan: _Plan):
-  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+def _compiler_params(plan: _Plan, inner: int = 1):
+  """Three parallel grid axes, then ``inner`` sequential ones (the accumulation)."""
+  return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * inner,
                               vmem_limit_bytes=plan.vmem_limit)
 
 
@@ -932,7 +994,7 @@ def _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
     return b, h, i, j
 
   args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: g[1])
-  kv_spec = _seq_spec(plan, bkv, p.d, lambda *g: (g[0], lax.div(g[1], G), ids(*g)[3]))
+  kv_spec = _seq_spec(plan, bkv, p.d, lambda *g: (g[0], _floor_div(g[1], G), ids(*g)[3]))
   in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])), kv_spec, kv_spec]
   args = args + [q, k, v]
   names += ["q", "k", "v"]
@@ -1024,17 +1086,16 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   dq = outs[0]
   dlogits = outs[1] if p.bias_shape is not None else None
 
-  # --- dk, dv: grid (batch, kv head, kv block, group x q block) ----------------------
-  def q_i(j, t):
-    i = lax.rem(t, nq)
+  # --- dk, dv: grid (batch, kv head, kv block, q head in the group, q block) ----------
+  def q_i(j, i):
     if not p.skips:
       return i
     lo, hi = _q_range(p, bq, bkv, nq, j)
     return _clamp(i, lo, hi)
 
   def qids(*g):  # -> (b, q head, i, j)
-    b, kh, j, t = g[:4]
-    return b, kh * G + lax.div(t, nq), q_i(j, t), j
+    b, kh, j, gi, i = g[:5]
+    return b, kh * G + gi, q_i(j, i), j
 
   args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: qids(*g)[1])
   in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
@@ -1067,10 +1128,10 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   call = pl.pallas_call(
       functools.partial(_dkv_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=0, grid=(p.b, p.kvh, nkv, G * nq), in_specs=in_specs,
+          num_scalar_prefetch=0, grid=(p.b, p.kvh, nkv, G, nq), in_specs=in_specs,
           out_specs=[kv_spec, kv_spec],
           scratch_shapes=[pltpu.VMEM((bkv, p.d), jnp.float32), pltpu.VMEM((bkv, p.d), jnp.float32)]),
-      out_shape=[kv_shape, kv_shape], compiler_params=_compiler_params(plan), cost_estimate=cost,
+      out_shape=[kv_shape, kv_shape], compiler_params=_compiler_params(plan, inner=2), cost_estimate=cost,
       interpret=interpret, name="flash_attention_dkv")
   dk, dv = call(*args)
   return dq, dk, dv, dlogits
