@@ -471,6 +471,7 @@ class _Plan:
   bkv_compute: int = 0    # forward: keys per sub-block of the math inside a kv block
   bq_masked: int = 0      # forward, causal / window: a block that needs masking runs in
   bkv_masked: int = 0     # (bq_masked, bkv_masked) tiles, each skipped, unmasked or masked
+  folded: bool = False    # causal q-major kernels: q rows i and nq-1-i share a grid row (no skipped steps)
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
@@ -544,7 +545,45 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
               and not p.dropout_rate)
   bkc = bkv if backward else _kv_compute(bkv)
   tiles = (_masked_tile(bq), _masked_tile(bkv)) if p.skips and not backward else (bq, bkc)
-  return _Plan(bq, bkv, tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv), inplace, limit, exp_bf16, bkc, *tiles)
+  nq, nkv = tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv)
+  # Square causal blocks on the diagonal: q row i needs kv blocks 0..i. Pairing row i with row
+  # nq-1-i fills a grid row of nq+1 steps exactly, so no grid step is spent skipping.
+  folded = (FOLD_CAUSAL and p.causal and p.window is None and p.sq == p.skv and bq == bkv and nq > 1
+            and p.bias_shape is None)
+  return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded)
+
+
+# Causal q-major grids fold row i with row nq-1-i (see _plan); a switch for comparing the two.
+FOLD_CAUSAL = True
+
+
+def _q_major_ids(p: _Problem, plan: _Plan, g):
+  """Grid ids of the forward / dq kernels -> ``(b, h, i, j, first, last, active)``: q block i, kv
+  block j, whether the step starts / ends row i's accumulation, and whether it runs at all.
+
+  Folded (causal, square blocks), grid row ``u`` runs q row ``u`` on kv blocks ``0..u``, then
+  q row ``nq-1-u`` on ``0..nq-1-u``: ``nq + 1`` steps. With ``nq`` odd the middle row pairs
+  with itself and its second half is inactive (kv block held, so no DMA)."""
+  b, h, x, t = g[:4]
+  if not plan.folded:
+    return b, h, x, t, t == 0, t == plan.nkv - 1, True
+  nq, u = plan.nq, x
+  second = t > u
+  i = jnp.where(second, nq - 1 - u, u)
+  j = jnp.where(second, t - u - 1, t)
+  active = True
+  if nq % 2:
+    active = jnp.logical_not(jnp.logical_and(second, 2 * u == nq - 1))
+    j = jnp.where(active, j, u)
+  first = jnp.logical_or(t == 0, jnp.logical_and(t == u + 1, active))
+  last = jnp.logical_or(t == u, jnp.logical_and(t == nq, active))
+  return b, h, i, j, first, last, active
+
+
+def _q_major_grid(p: _Problem, plan: _Plan):
+  if plan.folded:
+    return (p.b, p.h, tiling.cdiv(plan.nq, 2), plan.nq + 1)
+  return (p.b, p.h, plan.nq, plan.nkv)
 
 
 def _floor_div(x, n: int):
@@ -715,10 +754,10 @@ def _visibility_tile(p, r, qpos, kpos, b, h, i_ids, kv_cols=slice(None), q_rows=
 
 def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   r = _Refs(refs, names)
-  b, h, i, j = (pl.program_id(a) for a in range(4))
+  b, h, i, j, first, last, active = _q_major_ids(p, plan, [pl.program_id(a) for a in range(4)])
   bq, bkv = plan.bq, plan.bkv
 
-  @pl.when(j == 0)
+  @pl.when(first)
   def _init():
     if p.sinks:
       r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1], r.m.shape)
@@ -785,13 +824,15 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
         full = _full_tile(p, r0, r0 + rq - 1, c0, c0 + ck - 1, kv_tail=p.skv % bkv != 0)
         _branches(needed, full, functools.partial(tile, pl.ds(a * rq, rq), c, ck))
 
-  if p.skips:
+  if plan.folded:
+    needed = active
+  elif p.skips:
     needed = _block_needed(p, bq, bkv, i, j)
   else:
     needed = True
   _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=False), step)
 
-  @pl.when(j == plan.nkv - 1)
+  @pl.when(last)
   def _finish():
     l = r.l[...]
     r.o[...] = (r.acc[...] / _lanes(jnp.where(l > 0, l, 1.0), p.d)).astype(r.o.dtype)
@@ -801,10 +842,10 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
 
 def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
   r = _Refs(refs, names)
-  b, h, i, j = (pl.program_id(a) for a in range(4))
+  b, h, i, j, first, last, active = _q_major_ids(p, plan, [pl.program_id(a) for a in range(4)])
   bq, bkv = plan.bq, plan.bkv
 
-  @pl.when(j == 0)
+  @pl.when(first)
   def _init():
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
 
@@ -837,7 +878,9 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
       ds = ds * (1.0 - t * t)
     r.acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
-  if p.skips:
+  if plan.folded:
+    needed = active
+  elif p.skips:
     needed = _block_needed(p, bq, bkv, i, j)
     if p.bias_shape is not None:  # the bias gradient tile of a skipped block is zero
       @pl.when(jnp.logical_not(needed))
@@ -847,7 +890,7 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     needed = True
   _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=False), step)
 
-  @pl.when(j == plan.nkv - 1)
+  @pl.when(last)
   def _finish():
     r.dq[...] = (r.acc[...] * p.scale).astype(r.dq.dtype)
 
@@ -987,15 +1030,15 @@ def _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
   sq = pl.squeezed
 
   def ids(*g):  # -> (b, h, i, j clamped)
-    b, h, i, j = g[:4]
-    if p.skips:
+    b, h, i, j = _q_major_ids(p, plan, g)[:4]
+    if p.skips and not plan.folded:
       lo, hi = _kv_range(p, bq, bkv, nkv, i)
       j = _clamp(j, lo, hi)
     return b, h, i, j
 
   args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: g[1])
   kv_spec = _seq_spec(plan, bkv, p.d, lambda *g: (g[0], _floor_div(g[1], G), ids(*g)[3]))
-  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])), kv_spec, kv_spec]
+  in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: ids(*g)[:3]), kv_spec, kv_spec]
   args = args + [q, k, v]
   names += ["q", "k", "v"]
   for name, array, spec in extra:
@@ -1003,7 +1046,7 @@ def _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
     args.append(array)
     in_specs.append(spec)
   if p.segments:
-    in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], g[2], 0)),
+    in_specs += [pl.BlockSpec((sq, bq, 1), lambda *g: (g[0], ids(*g)[2], 0)),
                  pl.BlockSpec((sq, 1, bkv), lambda *g: (g[0], 0, ids(*g)[3]))]
     args += [seg_q.astype(jnp.int32).reshape(p.b, p.sq, 1), seg_kv.astype(jnp.int32).reshape(p.b, 1, p.skv)]
     names += ["segq", "segk"]
@@ -1023,15 +1066,16 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
   bq = plan.bq
   args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan)
   sq = pl.squeezed
-  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2])),
-               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))]
+  q_ids = functools.partial(_q_major_ids, p, plan)
+  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3]),
+               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (*q_ids(g)[:3], 0))]
   out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype),
                jax.ShapeDtypeStruct((p.b, p.h, p.sq, 1), jnp.float32)]
   names += ["o", "lse", "m", "l", "acc", "qs"]
   scratch = [pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
              pltpu.VMEM((bq, p.d), jnp.float32),
              pltpu.VMEM((bq, p.d), p.dtype)]
-  grid = (p.b, p.h, plan.nq, plan.nkv)
+  grid = _q_major_grid(p, plan)
   frac = 0.5 if p.causal else 1.0
   isz = p.dtype.itemsize
   cost = pl.CostEstimate(flops=int(4 * p.b * p.h * p.sq * p.skv * p.d * frac),
@@ -1058,17 +1102,18 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
 
   # --- dq: the forward's grid -------------------------------------------------------
   sq_pad = lse.shape[-1]   # lse and delta come padded to whole q blocks
-  row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda *g: (g[0], g[1], g[2], 0))
-  extra = [("do", do, _seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2]))),
+  q_ids = functools.partial(_q_major_ids, p, plan)
+  row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda *g: (*q_ids(g)[:3], 0))
+  extra = [("do", do, _seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3])),
            ("lse", lse.reshape(p.b, p.h, sq_pad, 1), row_stat),
            ("delta", delta.reshape(p.b, p.h, sq_pad, 1), row_stat)]
   args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan,
                                           extra=extra)
-  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: (g[0], g[1], g[2]))]
+  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3])]
   out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype)]
   names.append("dq")
   if p.bias_shape is not None:
-    out_specs.append(pl.BlockSpec((sq, sq, bq, bkv), lambda *g: (g[0], g[1], g[2], g[3])))
+    out_specs.append(pl.BlockSpec((sq, sq, bq, bkv), lambda *g: q_ids(g)[:4]))
     out_shape.append(jax.ShapeDtypeStruct((p.b, p.h, p.sq, p.skv), jnp.float32))
     names.append("dbias")
   names.append("acc")
@@ -1077,7 +1122,7 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
                          bytes_accessed=int(isz * (3 * q.size + k.size + v.size)))
   call = pl.pallas_call(
       functools.partial(_dq_kernel, p=p, plan=plan, names=names),
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(p.b, p.h, nq, nkv),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=_q_major_grid(p, plan),
                                              in_specs=in_specs, out_specs=out_specs,
                                              scratch_shapes=[pltpu.VMEM((bq, p.d), jnp.float32)]),
       out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,

@@ -242,6 +242,32 @@ def test_masked_tiles(kw, monkeypatch):
   close(lse, ref_lse)
 
 
+def _problem(q, k, v, **kw):
+  args = dict(causal=False, segment_ids=None, sliding_window=None, logits_soft_cap=None, scale=None, bias=None,
+              mask=None, sinks=None, dropout_rate=0.0, dropout_key=None, layout="BSHD")
+  return att._validate(q, k, v, **dict(args, **kw))[0]
+
+
+@pytest.mark.parametrize("sq", [512, 300, 384], ids=["4_blocks", "3_blocks_tail", "3_blocks"])
+@pytest.mark.parametrize("extra", [False, True], ids=["plain", "segments_sinks_dropout_gqa"])
+def test_folded_causal_grid(sq, extra):
+  # Causal with square blocks: the forward and dq grids pair q row i with row nq-1-i (nq + 1 steps
+  # per grid row, none skipped); with nq odd the middle row's second half is idle.
+  kw = dict(causal=True)
+  h, kvh = (4, 2) if extra else (2, 1)
+  q, k, v = qkv(sq=sq, h=h, kvh=kvh)
+  if extra:
+    kw.update(segment_ids=jnp.asarray(np.repeat(np.arange(3), -(-sq // 3))[None, :sq], jnp.int32),
+              sinks=jnp.linspace(-1.0, 1.0, h), dropout_rate=0.25, dropout_key=jax.random.key(1))
+  plan = att._plan(_problem(q, k, v, causal=True), SMALL, backward=False)
+  assert plan.folded and plan.nq == -(-sq // 128)
+  out, lse = run(q, k, v, return_residuals=True, **kw)
+  ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
+  close(out, ref)
+  close(lse, ref_lse)
+  grads_close(kw, q, k, v)
+
+
 def test_dropout_is_exactly_the_reference():
   q, k, v = qkv(b=2, sq=256, h=2, kvh=1)
   kw = dict(dropout_rate=0.3, dropout_key=jax.random.key(7), causal=True)
