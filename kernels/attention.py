@@ -55,6 +55,16 @@ index makes Pallas skip the copy) and the body is guarded by ``pl.when``. Blocks
 wholly inside the visible region run a branch without any mask arithmetic; only
 blocks crossing a boundary (the diagonal, the window edge, the kv tail) or calls
 with segment ids / a dense mask pay for the masking. Segment ids do not skip blocks.
+In the forward, a causal / window block that needs masking is cut into tiles of
+``MASKED_TILE`` (512) rows and keys, each of which is skipped, run unmasked or run
+masked on its own: a 1024 x 1024 diagonal block does 3/4 of the work, half of it
+without masking.
+
+*Folded causal grid.* With square blocks and ``q_len == kv_len`` (the common causal
+case), q row ``i`` needs kv blocks ``0..i``; a plain grid spends ``nq - 1 - i`` steps
+of every row skipping (~0.35 us each on a TPU, and a pipeline bubble). The forward and
+dq grids instead pair row ``u`` with row ``nq - 1 - u``: ``u + 1`` steps for the
+first, ``nq - u`` for the second, ``nq + 1`` in all, none skipped.
 
 *Fully masked rows* (a query with no visible key: ``q_len > kv_len`` with causal,
 segments that match nothing, a mask row of ``False``) give output 0, gradient 0
@@ -90,11 +100,19 @@ bf16 anyway; the row sums stay f32) and tested in interpret mode, but off
 
 *Block sizes.* :class:`BlockSizes` ``(block_q, block_kv, block_q_bwd, block_kv_bwd)``;
 the defaults per generation come from ``kernels/data/attention_blocks.json``,
-written by ``tools/tune_attention.py`` from compiler estimates of the non-causal
-problem (the model under-charges the causal branches); without an entry, 1024/1024
-forward and 512/512 backward (512 throughout on v4, 16 MiB of VMEM). With a causal or
-window mask, a default ``block_q`` is capped at half the query length (but not below
-``block_kv``): a q block spanning the sequence has nothing to skip.
+written by ``tools/tune_attention.py`` from compiler estimates (the forward: causal
+and non-causal at S=8192); without an entry, 1024/1024 forward and 512/512 backward
+(512 throughout on v4, 16 MiB of VMEM). Large blocks cost a causal kernel little,
+since the masked tiles skip most of a diagonal block: causal S=2048 on v5e is
+estimated at 20.2 us in one 2048 block, 23.5 us in 1024 blocks.
+
+*What libtpu's cost model cannot see.* It evaluates a scalar ``lax.div`` / ``lax.rem``
+as 0. The skip tests are therefore products and comparisons (:func:`_tile_needed`),
+the block ranges of the index maps shift when the block is a power of two
+(:func:`_floor_div`), and the dk/dv grid has separate group and q-block axes rather
+than a divided one. Before that (until 2026-11-22) the model charged one kv block per
+causal q row, and every causal estimate of this kernel was far too fast (v5e, causal
+S=8192: 92.4 us, 189% of the roofline; 279.6 us once the division was gone).
 
 *libtpu's cost model* (``kernels.estimate_tpu``) aborts the process on some code
 shapes that compile fine, so the kernels avoid them: a single block shorter than
@@ -106,36 +124,16 @@ backward (S=2048, GQA, BSHD, 512 blocks) aborted it once in a test run.
 Estimates
 ---------
 Compiler estimates (libtpu's cost model via :func:`kernels.estimate_tpu`, jax 0.10.2),
-bf16, batch 1, 8 heads, head_dim 128, BHSD, seen while developing (the tuning
-script stores its own in the JSON):
+bf16, batch 1, head_dim 128, BHSD, seen while developing
+(``kernels/data/attention_bench.json`` and ``attention_blocks.json`` hold the rest):
 
-* TPU v5e, S=4096, causal forward: 228.9 us at blocks 512/512, 182.7 us at
-  1024/512, 172.8 us at 1024/1024; JAX's ``flash_attention`` at 1024/1024:
-  335.4 us, at 512/512: 379.8 us.
-* TPU v5e, S=4096, non-causal forward: 471.6 us at 1024/1024 (74.0% of the MXU
-  roofline), 875.4 us at 512/512.
-* TPU v5e, S=4096, causal forward + backward (``jax.grad``), blocks
-  1024/1024/512/512: 489.4 us.
-* After keeping the scaled q block in VMEM: TPU v5e, S=4096, causal forward at
-  1024/1024: 174.2 us (no gain); TPU v6e, same problem: 119.9 us at 1024/1024,
-  173.7 us at 512/512 (v6e's roofline is far higher: 31% of it; the exponentials,
-  not the MXU, bound it there).
-* S=2048 causal forward at the defaults (1024/1024): TPU v5e 87.0 us (BHSD, 8 heads),
-  110.1 us (BSHD read in place, 8 q heads / 2 kv heads); TPU v6e 58.7 us (BHSD).
-
-* After the lane-replicated ``m``/``l`` and the 512-key sub-blocks (2026-11-22; 2 heads,
-  BHSD, defaults; ``kernels/data/attention_bench.json`` has the rest): non-causal
-  forward S=8192: v5e 446.9 us (78.0% of the MXU roofline), v6e 235.1 us; causal
-  forward S=8192: v6e 54.6 us (87.0 before); non-causal forward + backward S=4096:
-  v5e 496.8 us, v6e 263.2 us. Then retuned on the non-causal problem (v5e 1024/1024
-  forward and 1024/1024 backward, v6e 2048/1024 and 1024/1024): v6e causal forward
-  S=8192 46.0 us, non-causal 223.1 us; non-causal forward + backward S=4096: v5e
-  459.8 us, v6e 222.4 us.
-
-Caveat: the causal estimates come out *faster* than the causal roofline
-(``2 S^2 D`` per head) even though diagonal blocks do full work (172.8 us is
-101% of it), so the cost model under-charges this kernel's ``pl.when`` branches
-somewhere; compare causal estimates only with other kernels estimated the same way.
+* Non-causal forward, S=4096, 8 heads, v5e: 875.4 us at 512/512 blocks, 471.6 us at
+  1024/1024 (74.0% of the MXU roofline); with the lane-replicated ``m``/``l`` and the
+  512-key sub-blocks, S=8192 and 2 heads: 446.9 us (78.0%); v6e 223.1 us.
+* Causal forward, S=8192, 2 heads, after the division fix (causal estimates from
+  before 2026-11-23 are void, see above): v5e 279.6 us at 1024/1024; with the
+  masked tiles 267.9 us; with the folded grid 250.3 us (69.7% of the causal
+  roofline), 240.1 us at 2048/2048 (72.6%); v6e 142.3 us and 136.2 us.
 """
 from __future__ import annotations
 
@@ -528,10 +526,6 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
   chip = target_chip()
   if blocks is None:
     blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.d)
-    if p.skips and blocks.block_q > max(blocks.block_kv, p.sq // 2):
-      # A q block that spans the sequence skips nothing: a causal S=2048 forward on v6e is
-      # estimated at 19.4 us with 2048-row q blocks and 12.9 us with 1024.
-      blocks = dataclasses.replace(blocks, block_q=max(blocks.block_kv, tiling.round_up(p.sq // 2, 128)))
   inplace = p.layout == "BSHD" and p.d % 128 == 0
   if backward:
     bq = _fit(blocks.block_q_bwd, p.sq, 128, "block_q_bwd", blocks)

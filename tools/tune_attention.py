@@ -1,18 +1,21 @@
 """Tunes kernels.attention's default block sizes with the TPU compiler's cost model.
 
 For each generation tuned (v5e and v6e by default) it estimates the forward of
-``flash_attention`` (bf16, batch 1, 8 heads, head_dim 128, BHSD, no mask) at a few
-``(block_q, block_kv)`` candidates and keeps the fastest; then, with that forward,
-the forward + backward (``jax.vjp``) at a few ``(block_q_bwd, block_kv_bwd)``
-candidates (the smallest blocks within 2% of the fastest). The ranking uses the non-causal problem (``--causal`` for the causal one):
-the cost model under-charges the causal kernel's branches (causal estimates come out
-below half the non-causal ones, some faster than the roofline), so causal rankings
-reward whatever it under-charges most. Every number is a **compiler estimate** (``kernels.estimate_tpu``),
-never a measurement; each estimate runs in a child process (libtpu's cost model
-can abort a process). Run it under the shared lock::
+``flash_attention`` (bf16, batch 1, head_dim 128, BHSD, no mask; 2 heads at S=8192)
+at a few ``(block_q, block_kv)`` candidates, causal and not, and ranks them by the
+geometric mean of the two; then, with that forward, the forward + backward
+(``jax.vjp``, non-causal, 8 heads at S=4096: at S=8192 one estimate needs over 8 GB)
+at a few ``(block_q_bwd, block_kv_bwd)`` candidates. Each pick is the smallest
+blocks within 2% of the fastest. Every number is a **compiler estimate**
+(``kernels.estimate_tpu``), never a measurement; each estimate runs in a child
+process (libtpu's cost model can abort a process). Run it under the shared lock::
 
-  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py               # v5e, v6e at S=4096
-  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --generations v6e --seq 8192 --force
+  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --force
+  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --generations v6e --forward-only --force
+
+(Until 2026-11-23 the causal estimates were not usable: libtpu's cost model evaluates a
+scalar integer division as 0, and the kernel's block ranges were divisions, so the model
+charged one kv block per causal q row. The kernel now uses products and shifts there.)
 
 Generations not tuned get derived entries: v5p uses v5e's blocks (same 128x128
 MXUs; 64 MiB of VMEM is enough for them), v4 uses v5p's, shrunk until the kernel's
@@ -47,26 +50,25 @@ from kernels.errors import KernelError  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
                    "attention_blocks.json")
-HEADS, HEAD_DIM = 8, 128
+HEAD_DIM = 128
+FWD_SEQ, FWD_HEADS = 8192, 2   # the targets' problem
+BWD_SEQ, BWD_HEADS = 4096, 8   # same FLOPs; a fwd+bwd estimate at S=8192 needs over 8 GB
 # Few candidates: a fwd+bwd estimate at S=4096 takes ~4 minutes on a 2-core host.
-FWD_CANDIDATES = [(1024, 512), (1024, 1024), (2048, 512), (2048, 1024)]
+FWD_CANDIDATES = [(1024, 1024), (2048, 1024), (2048, 2048)]
 BWD_CANDIDATES = [(512, 512), (1024, 1024)]
 
 
-CAUSAL = False  # (--causal)
-
-
-def _problem(seq):
-  q = jax.ShapeDtypeStruct((1, HEADS, seq, HEAD_DIM), jnp.bfloat16)
-  fwd_flops = 4 * seq * seq * HEAD_DIM * HEADS * (0.5 if CAUSAL else 1.0)
+def _problem(seq, heads, causal):
+  q = jax.ShapeDtypeStruct((1, heads, seq, HEAD_DIM), jnp.bfloat16)
+  fwd_flops = 4 * seq * seq * HEAD_DIM * heads * (0.5 if causal else 1.0)
   return q, fwd_flops, 4 * q.size * 2
 
 
-def _estimate(gen, seq, blocks, backward):
-  q, fwd_flops, nbytes = _problem(seq)
+def _estimate(gen, seq, heads, blocks, backward, causal=False):
+  q, fwd_flops, nbytes = _problem(seq, heads, causal)
 
   def f(q, k, v):
-    return att.flash_attention(q, k, v, causal=CAUSAL, layout="BHSD", block_sizes=blocks)
+    return att.flash_attention(q, k, v, causal=causal, layout="BHSD", block_sizes=blocks)
   fn = f
   flops = fwd_flops
   if backward:
@@ -76,12 +78,12 @@ def _estimate(gen, seq, blocks, backward):
   est = kernels.estimate_tpu(fn, q, q, q, generation=gen, isolate=True, flops=flops, bytes_accessed=nbytes)
   row = {"us": round(est.seconds * 1e6, 2), "fraction_of_roofline": round(est.fraction_of_roofline, 4),
          "valid": est.valid, "wall_seconds": round(time.time() - t0)}
-  print(f"  {gen} S={seq} {'fwd+bwd' if backward else 'fwd'} {dataclasses.astuple(blocks)}: {row}", flush=True)
+  print(f"  {gen} S={seq} {'causal ' if causal else ''}{'fwd+bwd' if backward else 'fwd'} "
+        f"{dataclasses.astuple(blocks)}: {row}", flush=True)
   return row
 
 
-# A bigger block must be more than this much faster to be chosen: bigger q blocks waste more
-# work on the causal diagonal, which the cost model under-charges (see above).
+# A bigger block must be more than this much faster to be chosen (more VMEM, less to skip).
 TIE = 0.02
 
 
@@ -92,39 +94,49 @@ def _pick(results, keys):
   return min(near, key=lambda c: (c[0][keys[0]] * c[0][keys[1]], c[1]["us"]))
 
 
-def tune(gen, seq):
+def tune(gen, old=None):
+  """A table entry for ``gen``; with ``old`` (a stored entry), only the forward is retuned."""
   fwd = []
   for bq, bkv in FWD_CANDIDATES:
     blocks = att.BlockSizes(bq, bkv, 512, 512)
     try:
-      fwd.append(({"block_q": bq, "block_kv": bkv}, _estimate(gen, seq, blocks, False)))
+      full = _estimate(gen, FWD_SEQ, FWD_HEADS, blocks, False)
+      causal = _estimate(gen, FWD_SEQ, FWD_HEADS, blocks, False, causal=True)
     except (RuntimeError, KernelError) as e:
       print(f"  {gen} fwd {(bq, bkv)} failed: {str(e)[:200]}", flush=True)
+      continue
+    score = {"us": round((full["us"] * causal["us"]) ** 0.5, 2), "non_causal": full, "causal": causal}
+    fwd.append(({"block_q": bq, "block_kv": bkv}, score))
   best_fwd, best_fwd_est = _pick(fwd, ("block_q", "block_kv"))
+  fwd_problem = {"batch": 1, "heads": FWD_HEADS, "head_dim": HEAD_DIM, "seq": FWD_SEQ, "causal": "both (geometric mean)",
+                 "dtype": "bfloat16"}
+  if old is not None:
+    return {**old, **best_fwd, "forward_problem": fwd_problem, "forward": best_fwd_est,
+            "forward_candidates": [dict(**b, **e) for b, e in fwd], "forward_tuned": datetime.date.today().isoformat()}
   bwd = []
   for bq, bkv in BWD_CANDIDATES:
     blocks = att.BlockSizes(best_fwd["block_q"], best_fwd["block_kv"], bq, bkv)
     try:
-      bwd.append(({"block_q_bwd": bq, "block_kv_bwd": bkv}, _estimate(gen, seq, blocks, True)))
+      bwd.append(({"block_q_bwd": bq, "block_kv_bwd": bkv}, _estimate(gen, BWD_SEQ, BWD_HEADS, blocks, True)))
     except (RuntimeError, KernelError) as e:
       print(f"  {gen} bwd {(bq, bkv)} failed: {str(e)[:200]}", flush=True)
   best_bwd, best_bwd_est = _pick(bwd, ("block_q_bwd", "block_kv_bwd"))
-  return dict(**best_fwd, **best_bwd, problem={"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "seq": seq,
-                                               "causal": CAUSAL, "dtype": "bfloat16"},
+  return dict(**best_fwd, **best_bwd, forward_problem=fwd_problem,
+              problem={"batch": 1, "heads": BWD_HEADS, "head_dim": HEAD_DIM, "seq": BWD_SEQ, "causal": False,
+                       "dtype": "bfloat16"},
               forward=best_fwd_est, forward_backward=best_bwd_est,
               forward_candidates=[dict(**b, **e) for b, e in fwd],
               backward_candidates=[dict(**b, **e) for b, e in bwd],
               kind="compiler estimate", tuned=datetime.date.today().isoformat())
 
 
-def _fits(gen, blocks):
-  p = att._Problem(b=1, h=HEADS, kvh=HEADS, sq=8192, skv=8192, d=HEAD_DIM, dtype=jnp.dtype(jnp.bfloat16),
+def _fits(gen, blocks, backward):
+  p = att._Problem(b=1, h=BWD_HEADS, kvh=BWD_HEADS, sq=8192, skv=8192, d=HEAD_DIM, dtype=jnp.dtype(jnp.bfloat16),
                    layout="BHSD", causal=True, window=None, softcap=None, scale=1.0, segments=False, mask_shape=None,
                    bias_shape=None, sinks=False, dropout_rate=0.0)
   try:
     with backend.target(gen):
-      att._plan(p, blocks, backward=False)
-      att._plan(p, blocks, backward=True)
+      att._plan(p, blocks, backward=backward)
     return True
   except KernelError:
     return False
@@ -137,27 +149,27 @@ def derive(table):
     table["v5p"] = {"bfloat16": {**{k: e[k] for k in keys}, "derived_from": "v5e (not tuned on v5p)"}}
   src = table.get("v5p", {}).get("bfloat16")
   if src and "v4" not in table:
-    blocks = att.BlockSizes(*(src[k] for k in keys))
-    while not _fits("v4", blocks):
-      blocks = att.BlockSizes(*(max(128, b // 2) for b in dataclasses.astuple(blocks)))
-    table["v4"] = {"bfloat16": {**dataclasses.asdict(blocks), "derived_from": "v5p, shrunk to fit 16 MiB of VMEM"}}
+    b = [src[k] for k in keys]
+    while not _fits("v4", att.BlockSizes(*b), backward=False):   # forward and backward shrink apart
+      b[0], b[1] = max(128, b[0] // 2), max(128, b[1] // 2)
+    while not _fits("v4", att.BlockSizes(*b), backward=True):
+      b[2], b[3] = max(128, b[2] // 2), max(128, b[3] // 2)
+    table["v4"] = {"bfloat16": {**dict(zip(keys, b)), "derived_from": "v5p, shrunk to fit 16 MiB of VMEM"}}
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--generations", nargs="+", default=["v5e", "v6e"])
-  ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--force", action="store_true")
-  ap.add_argument("--causal", action="store_true", help="rank on the causal problem (see above)")
+  ap.add_argument("--forward-only", action="store_true", help="retune the forward blocks, keep the backward's")
   args = ap.parse_args()
-  global CAUSAL
-  CAUSAL = args.causal
   table = result_tables.load(OUT).get("defaults", {})
   for gen in args.generations:
     if gen in table and "derived_from" not in table[gen].get("bfloat16", {}) and not args.force:
       print(f"{gen}: already tuned (--force to redo)")
       continue
-    table[gen] = {"bfloat16": tune(gen, args.seq)}
+    old = table.get(gen, {}).get("bfloat16") if args.forward_only else None
+    table[gen] = {"bfloat16": tune(gen, old if old and "derived_from" not in old else None)}
     for g in ("v5p", "v4"):
       if g != gen and "derived_from" in table.get(g, {}).get("bfloat16", {}):
         del table[g]
