@@ -538,7 +538,12 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
   exp_bf16 = (_EXP_BF16 and not backward and chip is not None and chip.name == "v6e" and p.dtype == jnp.bfloat16
               and not p.dropout_rate)
   bkc = bkv if backward else _kv_compute(bkv)
-  tiles = (_masked_tile(bq), _masked_tile(bkv)) if p.skips and not backward else (bq, bkc)
+  if backward:  # the dq / dk-dv kernels: masked tiles for causal / window blocks (not with a bias:
+    # the bias gradient of a skipped tile would have to be zeroed), 0 = whole blocks
+    tiles = ((_masked_tile(bq), _masked_tile(bkv)) if p.skips and p.bias_shape is None
+             and (_masked_tile(bq), _masked_tile(bkv)) != (bq, bkv) else (0, 0))
+  else:
+    tiles = (_masked_tile(bq), _masked_tile(bkv)) if p.skips else (bq, bkc)
   nq, nkv = tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv)
   # Square causal blocks on the diagonal: q row i needs kv blocks 0..i. Pairing row i with row
   # nq-1-i fills a grid row of nq+1 steps exactly, so no grid step is spent skipping.
@@ -719,7 +724,11 @@ def _lanes(x, n: int):
 
 
 def _scaled_q(q_ref, scale):
-  q = q_ref[...]
+  return _scaled_q_rows(q_ref, slice(None), scale)
+
+
+def _scaled_q_rows(q_ref, rows, scale):
+  q = q_ref[rows, :]
   return (q.astype(jnp.float32) * scale).astype(q.dtype)
 
 
@@ -732,18 +741,39 @@ class _Refs:
     self.__dict__.update(zip(names, refs))
 
 
-def _visibility_tile(p, r, qpos, kpos, b, h, i_ids, kv_cols=slice(None), q_rows=slice(None)):
+def _visibility_tile(p, r, qpos, kpos, b, h, i_ids, kv_cols=slice(None), q_rows=slice(None), transposed=False):
   """The full visibility predicate of one tile (positions broadcast to the tile's orientation);
-  ``q_rows`` / ``kv_cols``: the sub-tile of the segment / mask tiles (forward)."""
+  ``q_rows`` / ``kv_cols``: the sub-tile of the segment / mask tiles, which are ``(q, kv)``, or
+  ``(kv, q)`` when ``transposed`` (the dk/dv kernel)."""
   vis = _visible(p, qpos, kpos)
   kv_ok = kpos < p.skv
   vis = kv_ok if vis is None else jnp.logical_and(vis, kv_ok)
   vis = jnp.logical_and(vis, qpos < p.sq)
   if p.segments:
-    vis = jnp.logical_and(vis, r.segq[q_rows, :] == r.segk[:, kv_cols])
+    if transposed:
+      vis = jnp.logical_and(vis, r.segq[:, q_rows] == r.segk[kv_cols, :])
+    else:
+      vis = jnp.logical_and(vis, r.segq[q_rows, :] == r.segk[:, kv_cols])
   if p.mask_shape is not None:
-    vis = jnp.logical_and(vis, r.mask[q_rows, kv_cols] != 0)
+    vis = jnp.logical_and(vis, (r.mask[kv_cols, q_rows] if transposed else r.mask[q_rows, kv_cols]) != 0)
   return vis
+
+
+def _masked_tiles(p: _Problem, plan: _Plan, i, j, rows: int, cols: int, tile, transposed=False):
+  """Runs a block that needs masking as ``(rows, cols)`` tiles (q rows x kv keys, or kv x q when
+  ``transposed``), each skipped, unmasked or masked: ``tile(row_slice, col_slice, masked)``."""
+  bq, bkv = plan.bq, plan.bkv
+  n_r, n_c = (bkv, bq) if transposed else (bq, bkv)
+  for a in range(n_r // rows):
+    for c in range(n_c // cols):
+      if transposed:
+        c0, r0, nk, nq_ = j * bkv + a * rows, i * bq + c * cols, rows, cols
+      else:
+        r0, c0, nq_, nk = i * bq + a * rows, j * bkv + c * cols, rows, cols
+      needed = _tile_needed(p, r0, r0 + nq_ - 1, c0, c0 + nk - 1)
+      full = _full_tile(p, r0, r0 + nq_ - 1, c0, c0 + nk - 1, q_tail=transposed and p.sq % bq != 0,
+                        kv_tail=p.skv % bkv != 0)
+      _branches(needed, full, functools.partial(tile, pl.ds(a * rows, rows), pl.ds(c * cols, cols)))
 
 
 def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
@@ -810,13 +840,9 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     # A block crossing the causal diagonal / window edge: cut it into (bq_masked, bkv_masked)
     # tiles, each skipped, run unmasked or run masked on its own (a 1024 x 1024 diagonal block
     # in 512 x 512 tiles: one skipped, one unmasked, two masked).
-    rq, ck = plan.bq_masked, plan.bkv_masked
-    for a in range(bq // rq):
-      for c in range(bkv // ck):
-        r0, c0 = i * bq + a * rq, j * bkv + c * ck
-        needed = _tile_needed(p, r0, r0 + rq - 1, c0, c0 + ck - 1)
-        full = _full_tile(p, r0, r0 + rq - 1, c0, c0 + ck - 1, kv_tail=p.skv % bkv != 0)
-        _branches(needed, full, functools.partial(tile, pl.ds(a * rq, rq), c, ck))
+    ck = plan.bkv_masked
+    _masked_tiles(p, plan, i, j, plan.bq_masked, ck,
+                  lambda rows, cols, m: tile(rows, cols.start // ck, ck, m))
 
   if plan.folded:
     needed = active
@@ -843,34 +869,43 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
   def _init():
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
 
-  def step(masked: bool):
-    q = _scaled_q(r.q, p.scale)
-    k, v, do = r.k[...], r.v[...], r.do[...]
+  def tile(rows, cols, masked: bool):
+    """dq of q rows ``rows`` from keys ``cols`` of the kv block (static slices)."""
+    q = _scaled_q_rows(r.q, rows, p.scale)
+    k, v, do = r.k[cols, :], r.v[cols, :], r.do[rows, :]
+    nr, nc = q.shape[0], k.shape[0]
+    k0 = j * bkv + cols.start
     if masked and p.skv % bkv:
-      k = _zero_rows(k, p.skv - j * bkv)
-      v = _zero_rows(v, p.skv - j * bkv)
+      k = _zero_rows(k, p.skv - k0)
+      v = _zero_rows(v, p.skv - k0)
     s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
     t = None
     if p.softcap is not None:
       t = jnp.tanh(s * (1.0 / p.softcap))
       s = p.softcap * t
     if p.bias_shape is not None:
-      s = s + r.bias[...].astype(jnp.float32)
-    qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    kpos = j * bkv + lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+      s = s + r.bias[rows, cols].astype(jnp.float32)
+    qpos = i * bq + rows.start + lax.broadcasted_iota(jnp.int32, (nr, 1), 0)
+    kpos = k0 + lax.broadcasted_iota(jnp.int32, (1, nc), 1)
     if masked:
-      s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i), s, NEG_INF)
-    e = jnp.exp(s - r.lse[...])   # lse of a row with nothing visible is +inf here (see f_bwd): e = 0
+      s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i, cols, rows), s, NEG_INF)
+    e = jnp.exp(s - r.lse[rows, :])   # lse of a row with nothing visible is +inf here (see f_bwd): e = 0
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     if p.dropout_rate:
       keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       dp = jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)), 0.0)
-    ds = e * (dp - r.delta[...])
+    ds = e * (dp - r.delta[rows, :])
     if p.bias_shape is not None:
-      r.dbias[...] = ds
+      r.dbias[rows, cols] = ds
     if t is not None:
       ds = ds * (1.0 - t * t)
-    r.acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+    r.acc[rows, :] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+
+  def step(masked: bool):
+    if masked and plan.bq_masked:
+      _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
+    else:
+      tile(pl.ds(0, bq), pl.ds(0, bkv), masked)
 
   if plan.folded:
     needed = active
@@ -900,39 +935,47 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.dk_acc[...] = jnp.zeros(r.dk_acc.shape, jnp.float32)
     r.dv_acc[...] = jnp.zeros(r.dv_acc.shape, jnp.float32)
 
-  def step(masked: bool):
-    q = _scaled_q(r.q, p.scale)
-    k, v, do = r.k[...], r.v[...], r.do[...]
+  def tile(kv_rows, q_cols, masked: bool):
+    """dk, dv of keys ``kv_rows`` of the kv block from q rows ``q_cols`` (static slices)."""
+    q = _scaled_q_rows(r.q, q_cols, p.scale)
+    k, v, do = r.k[kv_rows, :], r.v[kv_rows, :], r.do[q_cols, :]
+    nk, nq_ = k.shape[0], q.shape[0]
+    r0 = i * bq + q_cols.start
     if masked and p.sq % bq:
-      q = _zero_rows(q, p.sq - i * bq)
-      do = _zero_rows(do, p.sq - i * bq)
-    st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)   # (bkv, bq): s transposed
+      q = _zero_rows(q, p.sq - r0)
+      do = _zero_rows(do, p.sq - r0)
+    st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)   # (keys, queries): s transposed
     tt = None
     if p.softcap is not None:
       tt = jnp.tanh(st * (1.0 / p.softcap))
       st = p.softcap * tt
     if p.bias_shape is not None:
-      st = st + r.bias[...].astype(jnp.float32)
-    qpos = i * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
-    kpos = j * bkv + lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)
-    vis = _visibility_tile(p, r, qpos, kpos, b, h, i) if masked else None
+      st = st + r.bias[kv_rows, q_cols].astype(jnp.float32)
+    qpos = r0 + lax.broadcasted_iota(jnp.int32, (1, nq_), 1)
+    kpos = j * bkv + kv_rows.start + lax.broadcasted_iota(jnp.int32, (nk, 1), 0)
     if masked:
-      st = jnp.where(vis, st, NEG_INF)
-    et = jnp.exp(st - r.lse[...])
+      st = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i, kv_rows, q_cols, transposed=True), st, NEG_INF)
+    et = jnp.exp(st - r.lse[:, q_cols])
     keep = None
     if p.dropout_rate:
       keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       pd = jnp.where(keep, et * (1.0 / (1.0 - p.dropout_rate)), 0.0)
     else:
       pd = et
-    r.dv_acc[...] += lax.dot_general(pd.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
+    r.dv_acc[kv_rows, :] += lax.dot_general(pd.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
     dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
     if keep is not None:
       dpt = jnp.where(keep, dpt * (1.0 / (1.0 - p.dropout_rate)), 0.0)
-    dst = et * (dpt - r.delta[...])
+    dst = et * (dpt - r.delta[:, q_cols])
     if tt is not None:
       dst = dst * (1.0 - tt * tt)
-    r.dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+    r.dk_acc[kv_rows, :] += lax.dot_general(dst.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+
+  def step(masked: bool):
+    if masked and plan.bq_masked:
+      _masked_tiles(p, plan, i, j, plan.bkv_masked, plan.bq_masked, tile, transposed=True)
+    else:
+      tile(pl.ds(0, bkv), pl.ds(0, bq), masked)
 
   if p.skips:
     needed = _block_needed(p, bq, bkv, i, j)

@@ -216,7 +216,7 @@ def test_kv_sub_blocks(kw, monkeypatch):
 ], ids=lambda kw: ",".join(kw))
 def test_masked_tiles(kw, monkeypatch):
   # A causal / window block that needs masking runs as (MASKED_TILE x MASKED_TILE) tiles, each
-  # skipped, unmasked or masked on its own: 256-blocks in 128-tiles here, a kv tail past 300 keys,
+  # skipped, unmasked or masked on its own, forward and backward: 256-blocks in 128-tiles here, a kv tail past 300 keys,
   # the diagonal offset by kv_len - q_len (and, with longer_q, rows that see nothing).
   monkeypatch.setattr(att, "KV_COMPUTE", 128)
   monkeypatch.setattr(att, "MASKED_TILE", 128)
@@ -230,7 +230,7 @@ def test_masked_tiles(kw, monkeypatch):
     kw["bias"] = rand((1, 2, sq, skv), seed=4)
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray([0.5, -1.0])
-  blocks = BlockSizes(256, 256, 128, 128)
+  blocks = BlockSizes(256, 256, 256, 256)
   plan = att._plan(att._validate(q, k, v, layout="BSHD", causal=kw.get("causal", False), segment_ids=None,
                                  sliding_window=kw.get("sliding_window"), logits_soft_cap=None, scale=None,
                                  bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None)[0],
@@ -240,6 +240,7 @@ def test_masked_tiles(kw, monkeypatch):
   ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
   close(out, ref)
   close(lse, ref_lse)
+  grads_close(kw, q, k, v, blocks=blocks)   # the dq and dk/dv kernels cut their blocks the same way
 
 
 def _problem(q, k, v, **kw):

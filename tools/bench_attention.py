@@ -275,14 +275,14 @@ def _sp(bq, bkv, bkvc, bwd):
 
 TARGET = case(8192, 128, True, False)
 def _ours(bq, bkv, _compute, bwd):
-  # (ours computes in KV_COMPUTE-key sub-blocks whatever bkv is; the backward keeps its defaults)
+  # (ours computes in KV_COMPUTE-key sub-blocks whatever bkv is; the backward tries 512 blocks)
   return {"block_q": bq, "block_kv": bkv, "block_q_bwd": 512, "block_kv_bwd": 512}
 
 
 SWEEP = {  # (block_q, block_k_major or block_kv, block_k or block_kv_compute)
     "jax_flash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512)),
     "splash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512)),
-    "ours": ((2048, 512, None), (2048, 1024, None), (512, 512, None)),  # (default: 1024 / 1024)
+    "ours": ((1024, 1024, None), (2048, 1024, None), (512, 512, None)),  # (default on v5e, v6e: 2048 / 2048)
 }
 
 
