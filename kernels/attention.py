@@ -579,6 +579,36 @@ def _q_major_ids(p: _Problem, plan: _Plan, g):
   return b, h, i, j, first, last, active
 
 
+def _kv_major_ids(p: _Problem, plan: _Plan, g):
+  """Grid ids of the dk/dv kernel -> ``(b, kv head, j, group member, i, first, last, active)``.
+
+  Plain grid ``(b, kv head, kv block j, group member, q block i)``. Folded (causal, square
+  blocks), ``(b, kv head, u, t, group member)``: kv block ``u`` takes q blocks ``u..nq-1``, then
+  kv block ``nkv-1-u`` takes ``nkv-1-u..nq-1``, ``nq + 1`` steps, each for every q head of the
+  group (innermost, so that dk and dv of one kv block are summed over consecutive steps)."""
+  if not plan.folded:
+    b, kh, j, gm, i = g[:5]
+    return b, kh, j, gm, i, jnp.logical_and(gm == 0, i == 0), jnp.logical_and(gm == p.group - 1, i == plan.nq - 1), True
+  b, kh, u, t, gm = g[:5]
+  nq = plan.nq
+  second = t >= nq - u
+  j = jnp.where(second, plan.nkv - 1 - u, u)
+  i = jnp.where(second, t - 1, u + t)
+  active = True
+  if nq % 2:
+    active = jnp.logical_not(jnp.logical_and(second, 2 * u == nq - 1))
+    i = jnp.where(active, i, nq - 1)
+  first = jnp.logical_and(gm == 0, jnp.logical_or(t == 0, jnp.logical_and(t == nq - u, active)))
+  last = jnp.logical_and(gm == p.group - 1, jnp.logical_or(t == nq - 1 - u, jnp.logical_and(t == nq, active)))
+  return b, kh, j, gm, i, first, last, active
+
+
+def _kv_major_grid(p: _Problem, plan: _Plan):
+  if plan.folded:
+    return (p.b, p.kvh, tiling.cdiv(plan.nkv, 2), plan.nq + 1, p.group)
+  return (p.b, p.kvh, plan.nkv, p.group, plan.nq)
+
+
 def _q_major_grid(p: _Problem, plan: _Plan):
   if plan.folded:
     return (p.b, p.h, tiling.cdiv(plan.nq, 2), plan.nq + 1)
@@ -926,11 +956,11 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
 
 def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
   r = _Refs(refs, names)
-  b, kh, j, g, i = (pl.program_id(a) for a in range(5))
+  b, kh, j, g, i, first, last, active = _kv_major_ids(p, plan, [pl.program_id(a) for a in range(5)])
   h = kh * p.group + g
   bq, bkv = plan.bq, plan.bkv
 
-  @pl.when(jnp.logical_and(g == 0, i == 0))
+  @pl.when(first)
   def _init():
     r.dk_acc[...] = jnp.zeros(r.dk_acc.shape, jnp.float32)
     r.dv_acc[...] = jnp.zeros(r.dv_acc.shape, jnp.float32)
@@ -978,12 +1008,12 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
       tile(pl.ds(0, bkv), pl.ds(0, bq), masked)
 
   if p.skips:
-    needed = _block_needed(p, bq, bkv, i, j)
+    needed = active if plan.folded else _block_needed(p, bq, bkv, i, j)
   else:
     needed = True
   _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=True), step)
 
-  @pl.when(jnp.logical_and(g == p.group - 1, i == plan.nq - 1))
+  @pl.when(last)
   def _finish():
     r.dk[...] = r.dk_acc[...].astype(r.dk.dtype)
     r.dv[...] = r.dv_acc[...].astype(r.dv.dtype)
@@ -1169,20 +1199,20 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   dlogits = outs[1] if p.bias_shape is not None else None
 
   # --- dk, dv: grid (batch, kv head, kv block, q head in the group, q block) ----------
-  def q_i(j, i):
-    if not p.skips:
-      return i
-    lo, hi = _q_range(p, bq, bkv, nq, j)
-    return _clamp(i, lo, hi)
-
   def qids(*g):  # -> (b, q head, i, j)
-    b, kh, j, gi, i = g[:5]
-    return b, kh * G + gi, q_i(j, i), j
+    b, kh, j, gi, i = _kv_major_ids(p, plan, g)[:5]
+    if p.skips and not plan.folded:
+      lo, hi = _q_range(p, bq, bkv, nq, j)
+      i = _clamp(i, lo, hi)
+    return b, kh * G + gi, i, j
+
+  def kvids(*g):  # -> (b, kv head, j)
+    return _kv_major_ids(p, plan, g)[:3]
 
   args, names, in_specs = _small_inputs(p, seed, sinks, lambda *g: qids(*g)[1])
   in_specs = in_specs + [_seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
-              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2])),
-              _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2])),
+              _seq_spec(plan, bkv, p.d, kvids),
+              _seq_spec(plan, bkv, p.d, kvids),
               _seq_spec(plan, bq, p.d, lambda *g: qids(*g)[:3]),
               pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, h, 0, i))(*qids(*g))),
               pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, h, 0, i))(*qids(*g)))]
@@ -1190,7 +1220,7 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   names += ["q", "k", "v", "do", "lse", "delta"]
   if p.segments:
     in_specs += [pl.BlockSpec((sq, 1, bq), lambda *g: (lambda b, h, i, j: (b, 0, i))(*qids(*g))),
-                 pl.BlockSpec((sq, bkv, 1), lambda *g: (g[0], g[2], 0))]
+                 pl.BlockSpec((sq, bkv, 1), lambda *g: (g[0], kvids(*g)[2], 0))]
     args += [seg_q.astype(jnp.int32).reshape(p.b, 1, p.sq), seg_kv.astype(jnp.int32).reshape(p.b, p.skv, 1)]
     names += ["segq", "segk"]
   if p.mask_shape is not None:
@@ -1201,7 +1231,7 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
     in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, qids, transposed=True))
     args.append(jnp.swapaxes(bias, 2, 3))
     names.append("bias")
-  kv_spec = _seq_spec(plan, bkv, p.d, lambda *g: (g[0], g[1], g[2]))
+  kv_spec = _seq_spec(plan, bkv, p.d, kvids)
   kv_shape = jax.ShapeDtypeStruct(_seq_shape(p, plan, p.kvh, p.skv), p.dtype)
   names += ["dk", "dv", "dk_acc", "dv_acc"]
   cost = pl.CostEstimate(flops=int(8 * p.b * p.h * p.sq * p.skv * p.d * frac),
@@ -1210,7 +1240,7 @@ def _pallas_backward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta
   call = pl.pallas_call(
       functools.partial(_dkv_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=0, grid=(p.b, p.kvh, nkv, G, nq), in_specs=in_specs,
+          num_scalar_prefetch=0, grid=_kv_major_grid(p, plan), in_specs=in_specs,
           out_specs=[kv_spec, kv_spec],
           scratch_shapes=[pltpu.VMEM((bkv, p.d), jnp.float32), pltpu.VMEM((bkv, p.d), jnp.float32)]),
       out_shape=[kv_shape, kv_shape], compiler_params=_compiler_params(plan, inner=2), cost_estimate=cost,
