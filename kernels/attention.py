@@ -64,7 +64,8 @@ without masking.
 case), q row ``i`` needs kv blocks ``0..i``; a plain grid spends ``nq - 1 - i`` steps
 of every row skipping (~0.35 us each on a TPU, and a pipeline bubble). The forward and
 dq grids instead pair row ``u`` with row ``nq - 1 - u``: ``u + 1`` steps for the
-first, ``nq - u`` for the second, ``nq + 1`` in all, none skipped.
+first, ``nq - u`` for the second, ``nq + 1`` in all, none skipped. The dk/dv grid
+pairs kv blocks the same way, with the GQA group innermost.
 
 *Fully masked rows* (a query with no visible key: ``q_len > kv_len`` with causal,
 segments that match nothing, a mask row of ``False``) give output 0, gradient 0
@@ -83,9 +84,9 @@ q_len + i``. The denominator ``l`` sums the probabilities before dropout.
 *Backward* (``custom_vjp``). The forward saves ``lse``; ``D = rowsum(dO * O)`` is one
 XLA reduction. Two kernels:
 
-* dk/dv: grid ``(batch, kv_heads, kv_len/block_kv, group, q_len/block_q)``; the two
-  inner axes walk the q blocks of every q head in the group, so dk and dv are
-  summed over the GQA group in VMEM without races. It computes the transposed tile
+* dk/dv: grid ``(batch, kv_heads, kv_len/block_kv, group, q_len/block_q)`` (folded when
+  causal, see above); the two inner axes walk the q blocks of every q head in the
+  group, so dk and dv are summed over the GQA group in VMEM without races. It computes the transposed tile
   ``s^T = k q^T`` (``block_kv x block_q``), which keeps every matmul in the MXU's
   native form (``p^T dO``, ``v dO^T``, ``ds^T q``) and puts ``lse`` and ``D`` on the
   lane axis, as stored.
