@@ -823,14 +823,12 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
     r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
 
-  def tile(rows, c: int, bkc: int, masked: bool):
-    """The online-softmax update of q rows ``rows`` (a static slice of the block) by keys
-    ``c * bkc ..`` of the kv block."""
+  def tile(rows, cols, masked: bool):
+    """The online-softmax update of q rows ``rows`` by keys ``cols`` of the kv block (static slices)."""
     q = r.qs[rows, :]
-    nr = q.shape[0]
-    cols = pl.ds(c * bkc, bkc)
     k, v = r.k[cols, :], r.v[cols, :]
-    k0 = j * bkv + c * bkc  # first key of the sub-block
+    nr, bkc = q.shape[0], k.shape[0]
+    k0 = j * bkv + cols.start  # first key of the tile
     if masked and p.skv % bkv:
       k = _zero_rows(k, p.skv - k0)
       v = _zero_rows(v, p.skv - k0)
@@ -864,16 +862,15 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
 
   def step(masked: bool):
     # kv sub-blocks: smaller f32 temporaries, same DMA block
-    if not masked or (plan.bq_masked, plan.bkv_masked) == (bq, plan.bkv_compute):
-      for c in range(bkv // plan.bkv_compute):
-        tile(pl.ds(0, bq), c, plan.bkv_compute, masked)
+    bkc = plan.bkv_compute
+    if not masked or (plan.bq_masked, plan.bkv_masked) == (bq, bkc):
+      for c in range(bkv // bkc):
+        tile(pl.ds(0, bq), pl.ds(c * bkc, bkc), masked)
       return
     # A block crossing the causal diagonal / window edge: cut it into (bq_masked, bkv_masked)
     # tiles, each skipped, run unmasked or run masked on its own (a 1024 x 1024 diagonal block
     # in 512 x 512 tiles: one skipped, one unmasked, two masked).
-    ck = plan.bkv_masked
-    _masked_tiles(p, plan, i, j, plan.bq_masked, ck,
-                  lambda rows, cols, m: tile(rows, cols.start // ck, ck, m))
+    _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
 
   if plan.folded:
     needed = active
