@@ -292,13 +292,20 @@ def test_stale_vmem_never_reaches_outputs():
   assert all(np.isfinite(np.asarray(x)).all() for x in g)
 
 
-def test_no_races():
+@pytest.mark.parametrize("tiles", [False, True], ids=["blocks", "masked_tiles"])
+def test_no_races(tiles, monkeypatch):
+  # causal, q_len == kv_len: the folded grids; with tiles, 256-blocks cut into 128-tiles
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-  q, k, v = qkv(sq=256, h=2, kvh=1)
+  blocks = SMALL
+  if tiles:
+    monkeypatch.setattr(att, "MASKED_TILE", 128)
+    blocks = BlockSizes(256, 256, 256, 256)
+  q, k, v = qkv(sq=512 if tiles else 256, h=2, kvh=1)
   params = pltpu.InterpretParams(detect_races=True)
-  out = run(q, k, v, interpret=params, causal=True)
+  out = run(q, k, v, interpret=params, causal=True, block_sizes=blocks)
   assert ipc.races is not None and not ipc.races.races_found
-  jax.grad(lambda q, k, v: run(q, k, v, interpret=params, causal=True).sum(), argnums=(0, 1, 2))(q, k, v)
+  jax.grad(lambda q, k, v: run(q, k, v, interpret=params, causal=True, block_sizes=blocks).sum(),
+           argnums=(0, 1, 2))(q, k, v)
   assert ipc.races is not None and not ipc.races.races_found
   close(out, att.attention_reference(q, k, v, causal=True))
 
