@@ -18,7 +18,7 @@ measurement. Each peer gets its inputs in its own native layout (XLA:
 (ours with ``layout="BHSD"``); splash: ``[heads, seq, head_dim]``, batch 1), so no layout
 change is timed. (Ours in its default BSHD layout reads each head's rows in place, a
 strided DMA the cost model charges more for: non-causal S=4096, D=128, 2 heads, v5e,
-139.6 us against 116.7 us in BHSD, 2026-11-22.) The Pallas
+131.0 us against 110.9 us in BHSD, 2026-11-23.) The Pallas
 peers have no grouped-query attention: for the GQA case K and V are repeated to the
 query heads inside the timed function, as a user of those kernels would do. JAX's
 flash kernel has no sliding window, so it is absent from that case. Splash does not
