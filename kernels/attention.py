@@ -65,7 +65,9 @@ case), q row ``i`` needs kv blocks ``0..i``; a plain grid spends ``nq - 1 - i`` 
 of every row skipping (~0.35 us each on a TPU, and a pipeline bubble). The forward and
 dq grids instead pair row ``u`` with row ``nq - 1 - u``: ``u + 1`` steps for the
 first, ``nq - u`` for the second, ``nq + 1`` in all, none skipped. The dk/dv grid
-pairs kv blocks the same way, with the GQA group innermost.
+pairs kv blocks the same way, with the GQA group innermost. With a sliding window the
+forward and dq grids walk only the ``band`` kv blocks a q block can need, from its
+first one on (v5e, causal W=1024 at S=8192: 120.5 -> 114.6 us, compiler estimates).
 
 *Fully masked rows* (a query with no visible key: ``q_len > kv_len`` with causal,
 segments that match nothing, a mask row of ``False``) give output 0, gradient 0
@@ -471,6 +473,7 @@ class _Plan:
   bq_masked: int = 0      # forward, causal / window: a block that needs masking runs in
   bkv_masked: int = 0     # (bq_masked, bkv_masked) tiles, each skipped, unmasked or masked
   folded: bool = False    # causal q-major kernels: q rows i and nq-1-i share a grid row (no skipped steps)
+  band: int = 0           # sliding window, q-major kernels: grid steps per q row (kv blocks lo(i)..), 0 = all
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
@@ -550,7 +553,9 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
   # nq-1-i fills a grid row of nq+1 steps exactly, so no grid step is spent skipping.
   folded = (FOLD_CAUSAL and p.causal and p.window is None and p.sq == p.skv and bq == bkv and nq > 1
             and p.bias_shape is None)
-  return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded)
+  # A sliding window: q row i needs at most `band` kv blocks from lo(i) on, so the grid walks only those.
+  band = _band(p, bq, bkv, nq, nkv) if p.window is not None and not folded and p.bias_shape is None else 0
+  return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded, band if band < nkv else 0)
 
 
 # Causal q-major grids fold row i with row nq-1-i (see _plan); a switch for comparing the two.
@@ -565,6 +570,9 @@ def _q_major_ids(p: _Problem, plan: _Plan, g):
   q row ``nq-1-u`` on ``0..nq-1-u``: ``nq + 1`` steps. With ``nq`` odd the middle row pairs
   with itself and its second half is inactive (kv block held, so no DMA)."""
   b, h, x, t = g[:4]
+  if plan.band:  # kv blocks lo(i) .. hi(i); the idle steps past hi hold its block (no DMA)
+    lo, hi = _kv_range(p, plan.bq, plan.bkv, plan.nkv, x)
+    return b, h, x, _clamp(lo + t, lo, hi), t == 0, t == plan.band - 1, lo + t <= hi
   if not plan.folded:
     return b, h, x, t, t == 0, t == plan.nkv - 1, True
   nq, u = plan.nq, x
@@ -578,6 +586,20 @@ def _q_major_ids(p: _Problem, plan: _Plan, g):
   first = jnp.logical_or(t == 0, jnp.logical_and(t == u + 1, active))
   last = jnp.logical_or(t == u, jnp.logical_and(t == nq, active))
   return b, h, i, j, first, last, active
+
+
+def _band(p: _Problem, bq: int, bkv: int, nq: int, nkv: int) -> int:
+  """The most kv blocks any q block needs (numpy twin of :func:`_kv_range`)."""
+  r0 = np.arange(nq) * bq
+  r1 = np.minimum(r0 + bq - 1, p.sq - 1)
+  lo, hi = np.zeros(nq, np.int64), np.full(nq, nkv - 1)
+  if p.causal:
+    hi = np.minimum(hi, np.floor_divide(r1 + p.offset, bkv))
+  if p.window is not None:
+    lo = np.floor_divide(np.maximum(r0 + p.offset - p.window + 1, 0), bkv)
+    if not p.causal:
+      hi = np.minimum(hi, np.floor_divide(r1 + p.offset + p.window - 1, bkv))
+  return int(max(1, (hi - lo + 1).max()))
 
 
 def _kv_major_ids(p: _Problem, plan: _Plan, g):
@@ -613,7 +635,7 @@ def _kv_major_grid(p: _Problem, plan: _Plan):
 def _q_major_grid(p: _Problem, plan: _Plan):
   if plan.folded:
     return (p.b, p.h, tiling.cdiv(plan.nq, 2), plan.nq + 1)
-  return (p.b, p.h, plan.nq, plan.nkv)
+  return (p.b, p.h, plan.nq, plan.band or plan.nkv)
 
 
 def _floor_div(x, n: int):
@@ -872,7 +894,7 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     # in 512 x 512 tiles: one skipped, one unmasked, two masked).
     _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
 
-  if plan.folded:
+  if plan.folded or plan.band:
     needed = active
   elif p.skips:
     needed = _block_needed(p, bq, bkv, i, j)
@@ -935,7 +957,7 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     else:
       tile(pl.ds(0, bq), pl.ds(0, bkv), masked)
 
-  if plan.folded:
+  if plan.folded or plan.band:
     needed = active
   elif p.skips:
     needed = _block_needed(p, bq, bkv, i, j)
@@ -1096,7 +1118,7 @@ def _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
 
   def ids(*g):  # -> (b, h, i, j clamped)
     b, h, i, j = _q_major_ids(p, plan, g)[:4]
-    if p.skips and not plan.folded:
+    if p.skips and not (plan.folded or plan.band):
       lo, hi = _kv_range(p, bq, bkv, nkv, i)
       j = _clamp(j, lo, hi)
     return b, h, i, j

@@ -269,6 +269,21 @@ def test_folded_causal_grid(sq, extra):
   grads_close(kw, q, k, v)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal_window", "window"])
+def test_window_band_grid(causal):
+  # A sliding window: the q-major grids walk only the kv blocks lo(i).. a q block can see
+  # (2 of 8 causal, 3 of 8 symmetric here), idle steps past hi(i) doing nothing.
+  q, k, v = qkv(sq=1000, h=4, kvh=2)
+  kw = dict(causal=causal, sliding_window=100)
+  plan = att._plan(_problem(q, k, v, **kw), SMALL, backward=False)
+  assert plan.band == (2 if causal else 3) and plan.nkv == 8
+  out, lse = run(q, k, v, return_residuals=True, **kw)
+  ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
+  close(out, ref)
+  close(lse, ref_lse)
+  grads_close(kw, q, k, v)
+
+
 def test_dropout_is_exactly_the_reference():
   q, k, v = qkv(b=2, sq=256, h=2, kvh=1)
   kw = dict(dropout_rate=0.3, dropout_key=jax.random.key(7), causal=True)
