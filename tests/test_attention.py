@@ -486,3 +486,18 @@ def test_causal_estimate_charges_every_visible_block(backward):
     est[causal] = kernels.estimate_tpu(fn, q, q, q, generation="v5e", flops=flops, bytes_accessed=4 * 2 * h * s * d)
   assert est[True].valid, str(est[True])
   assert est[True].seconds > 0.45 * est[False].seconds, (str(est[True]), str(est[False]))
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_folded_tiled_and_banded_grids(generation):
+  # Mosaic compiles the folded causal grids with masked tiles and the window's band grid,
+  # forward and backward (v4: its default 512 blocks, folded without tiles).
+  q = sds((1, 4, 4096, 128), bf16)
+  kv = sds((1, 2, 4096, 128), bf16)
+  blocks = None if generation == "v4" else BlockSizes(1024, 1024, 1024, 1024)
+  for kw in (dict(causal=True), dict(causal=True, sliding_window=1024)):
+    f = functools.partial(att.flash_attention, layout="BHSD", block_sizes=blocks, **kw)
+    grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    comp = compile_plain(grad, (q, kv, kv), generation)
+    assert comp.hlo.count("tpu_custom_call") >= 3
