@@ -763,7 +763,7 @@ def _branches(needed, full, step):
   when(both(needed, not_full), lambda: step(True))
 
 
-_LANES = 128  # m and l are kept lane-replicated, (bq, 128): no lane broadcast per use
+_LANES = 128  # m is kept lane-replicated and l as lane partial sums, (bq, 128): no cross-lane op per step
 
 
 def _lanes(x, n: int):
@@ -774,6 +774,17 @@ def _lanes(x, n: int):
   if n % x.shape[1] == 0:
     return jnp.tile(x, (1, n // x.shape[1]))
   return x[:, :n] if n < x.shape[1] else jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+
+
+def _lane_partials(x):
+  """``(rows, n)`` -> ``(rows, 128)``: the sum of its 128-lane column groups (whole-vreg adds).
+  The forward keeps the softmax denominator as such lane partial sums and reduces across
+  lanes once, at the end: a cross-lane sum per kv sub-block cost 8% of the forward on v5e
+  and 14% on v6e (compiler estimates, non-causal S=8192)."""
+  out = x[:, :_LANES]
+  for c in range(1, x.shape[1] // _LANES):
+    out = out + x[:, c * _LANES:(c + 1) * _LANES]
+  return out
 
 
 def _scaled_q(q_ref, scale):
@@ -838,7 +849,7 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   def _init():
     if p.sinks:
       r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1], r.m.shape)
-      r.l[...] = jnp.ones(r.l.shape, jnp.float32)
+      r.l[...] = jnp.where(lax.broadcasted_iota(jnp.int32, r.l.shape, 1) == 0, 1.0, 0.0)  # sums to 1
     else:
       r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
       r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
@@ -869,12 +880,12 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     m_wide = _lanes(m_use, bkc)
     if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
       e = jnp.exp((s - m_wide).astype(jnp.bfloat16))
-      row_sum = e.astype(jnp.float32).sum(axis=1, keepdims=True)
+      part = _lane_partials(e.astype(jnp.float32))
     else:
       e = jnp.exp(s - m_wide)
-      row_sum = e.sum(axis=1, keepdims=True)
+      part = _lane_partials(e)
     alpha = jnp.exp(m_prev - m_use)
-    r.l[rows, :] = alpha * r.l[rows, :] + row_sum
+    r.l[rows, :] = alpha * r.l[rows, :] + part
     if p.dropout_rate:
       keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
@@ -904,9 +915,9 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
 
   @pl.when(last)
   def _finish():
-    l = r.l[...]
-    r.o[...] = (r.acc[...] / _lanes(jnp.where(l > 0, l, 1.0), p.d)).astype(r.o.dtype)
-    l, m = l[:, :1], r.m[:, :1]
+    l = r.l[...].sum(axis=1, keepdims=True)  # the lane partial sums -> the row's denominator
+    r.o[...] = (r.acc[...] / jnp.broadcast_to(jnp.where(l > 0, l, 1.0), r.acc.shape)).astype(r.o.dtype)
+    m = r.m[:, :1]
     r.lse[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
 
 
