@@ -24,13 +24,15 @@ the soft cap, bias and masks, and updates the online softmax: a running row maxi
 ``acc = exp(m_old - m) * acc + exp(s - m) @ v``. The last kv step writes
 ``acc / l`` and ``lse = m + log(l)`` (an output used by the backward pass).
 ``scale`` is folded into the q tile (``block_q x head_dim`` multiplies instead of
-``block_q x block_kv``). Two details matter to speed (compiler estimates, non-causal,
-S=4096, D=128, 2 heads): ``m`` and ``l`` are kept lane-replicated, ``(block_q, 128)``
-with the row's value in every lane, so using them against a tile is whole-vreg copies
-rather than a lane broadcast per step (v6e, BSHD: 102.2 -> 77.4 us); and the math of
-a step walks its kv block in sub-blocks of ``KV_COMPUTE`` (512) keys, so the f32 score
-tiles are a quarter of ``block_q x block_kv`` while the DMA block stays large (v5e,
-BHSD: 121.9 -> 116.7 us; v6e, BSHD: 77.4 -> 74.5 us).
+``block_q x block_kv``). Three details matter to speed (compiler estimates,
+non-causal, D=128, 2 heads): ``m`` is kept lane-replicated, ``(block_q, 128)`` with
+the row's value in every lane, so using it against a tile is whole-vreg copies rather
+than a lane broadcast per step (v6e, S=4096, BSHD: 102.2 -> 77.4 us); ``l`` is kept as
+``(block_q, 128)`` lane partial sums, reduced across lanes once, at the end (S=8192:
+v5e 419.6 -> 386.5 us, v6e 208.4 -> 192.1 us); and the math of a step walks its kv
+block in sub-blocks of ``KV_COMPUTE`` (512) keys, so the f32 score tiles are
+``block_q x 512`` while the DMA block stays large (v5e, S=4096, BHSD: 121.9 -> 116.7 us;
+v6e, BSHD: 77.4 -> 74.5 us).
 
 *GQA / MQA.* ``k``/``v`` have ``kv_heads`` dividing ``heads``; q head ``h`` reads kv
 head ``h // (heads / kv_heads)`` through the index map. Nothing is repeated in HBM.
@@ -136,7 +138,8 @@ bf16, batch 1, head_dim 128, BHSD, seen while developing
 * Causal forward, S=8192, 2 heads, after the division fix (causal estimates from
   before 2026-11-23 are void, see above): v5e 279.6 us at 1024/1024; with the
   masked tiles 267.9 us; with the folded grid 250.3 us (69.7% of the causal
-  roofline), 240.1 us at 2048/2048 (72.6%); v6e 142.3 us and 136.2 us.
+  roofline), 240.1 us at 2048/2048 (72.6%); v6e 142.3 us and 136.2 us. With ``l``
+  as lane partial sums: v5e 224.2 us (77.8%); non-causal v5e 386.5 us (90.3%).
 """
 from __future__ import annotations
 
