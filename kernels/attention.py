@@ -554,15 +554,11 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
   nq, nkv = tiling.cdiv(p.sq, bq), tiling.cdiv(p.skv, bkv)
   # Square causal blocks on the diagonal: q row i needs kv blocks 0..i. Pairing row i with row
   # nq-1-i fills a grid row of nq+1 steps exactly, so no grid step is spent skipping.
-  folded = (FOLD_CAUSAL and p.causal and p.window is None and p.sq == p.skv and bq == bkv and nq > 1
+  folded = (p.causal and p.window is None and p.sq == p.skv and bq == bkv and nq > 1
             and p.bias_shape is None)
   # A sliding window: q row i needs at most `band` kv blocks from lo(i) on, so the grid walks only those.
   band = _band(p, bq, bkv, nq, nkv) if p.window is not None and not folded and p.bias_shape is None else 0
   return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded, band if band < nkv else 0)
-
-
-# Causal q-major grids fold row i with row nq-1-i (see _plan); a switch for comparing the two.
-FOLD_CAUSAL = True
 
 
 def _q_major_ids(p: _Problem, plan: _Plan, g):
@@ -710,10 +706,12 @@ def _full_tile(p: _Problem, r0, r1, c0, c1, q_tail: bool = False, kv_tail: bool 
     conds.append(c0 >= r1 + p.offset - p.window + 1)
     if not p.causal:
       conds.append(c1 <= r0 + p.offset + p.window - 1)
-  out = True
-  for c in conds:
-    out = jnp.logical_and(out, c)
-  return out
+  return _all(conds)
+
+
+def _all(conds):
+  """The traced conjunction of ``conds`` (Python ``True`` when there are none)."""
+  return functools.reduce(jnp.logical_and, conds) if conds else True
 
 
 def _block_needed(p: _Problem, bq: int, bkv: int, i, j):
@@ -733,10 +731,7 @@ def _tile_needed(p: _Problem, r0, r1, c0, c1):
     conds.append(c1 >= r0 + p.offset - p.window + 1)
     if not p.causal:
       conds.append(c0 <= r1 + p.offset + p.window - 1)
-  out = conds[0]
-  for c in conds[1:]:
-    out = jnp.logical_and(out, c)
-  return out
+  return _all(conds)
 
 
 def _zero_rows(x, valid):
