@@ -477,6 +477,7 @@ class _Plan:
   bkv_masked: int = 0     # (bq_masked, bkv_masked) tiles, each skipped, unmasked or masked
   folded: bool = False    # causal q-major kernels: q rows i and nq-1-i share a grid row (no skipped steps)
   band: int = 0           # sliding window, q-major kernels: grid steps per q row (kv blocks lo(i)..), 0 = all
+  diagonal: bool = False  # folded, causal structure only: a masked block is a diagonal one (static tile pattern)
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
@@ -558,7 +559,12 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
             and p.bias_shape is None)
   # A sliding window: q row i needs at most `band` kv blocks from lo(i) on, so the grid walks only those.
   band = _band(p, bq, bkv, nq, nkv) if p.window is not None and not folded and p.bias_shape is None else 0
-  return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded, band if band < nkv else 0)
+  # Folded, with no segments / dense mask and no kv tail, the blocks that need masking are exactly
+  # the diagonal ones (i == j), whose tiles are skipped above, masked on, unmasked below the diagonal.
+  diagonal = (folded and not p.always_masked and p.skv % bkv == 0 and tiles[0] == tiles[1]
+              and 0 < tiles[0] < bq)
+  return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded, band if band < nkv else 0,
+               diagonal)
 
 
 def _q_major_ids(p: _Problem, plan: _Plan, g):
@@ -838,6 +844,21 @@ def _masked_tiles(p: _Problem, plan: _Plan, i, j, rows: int, cols: int, tile, tr
       _branches(needed, full, functools.partial(tile, pl.ds(a * rows, rows), pl.ds(c * cols, cols)))
 
 
+def _diagonal_tiles(t: int, block: int, tile, transposed=False):
+  """A diagonal causal block (``plan.diagonal``) in ``t``-tiles. Its pattern is static, so each
+  column of tiles runs as the masked tile on the diagonal plus one tall unmasked tile of all the
+  rows it fully sees (q rows below it; for the dk/dv kernel, kv rows above it), with no per-tile
+  ``pl.when``. A tall tile streams more rows past each MXU weight load: the causal forward at
+  S=8192 went from 131.7 to 116.0 us on v6e and from 224.2 to 216.3 us on v5e (compiler estimates)."""
+  for c in range(block // t):
+    diag = pl.ds(c * t, t)
+    if transposed and c:  # (kv rows, q cols): keys before the q tile see all of it
+      tile(pl.ds(0, c * t), diag, False)
+    tile(diag, diag, True)
+    if not transposed and (c + 1) * t < block:  # (q rows, kv cols): queries after the kv tile
+      tile(pl.ds((c + 1) * t, block - (c + 1) * t), diag, False)
+
+
 def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   r = _Refs(refs, names)
   b, h, i, j, first, last, active = _q_major_ids(p, plan, [pl.program_id(a) for a in range(4)])
@@ -901,7 +922,10 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     # A block crossing the causal diagonal / window edge: cut it into (bq_masked, bkv_masked)
     # tiles, each skipped, run unmasked or run masked on its own (a 1024 x 1024 diagonal block
     # in 512 x 512 tiles: one skipped, one unmasked, two masked).
-    _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
+    if plan.diagonal:
+      _diagonal_tiles(plan.bq_masked, bq, tile)
+    else:
+      _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
 
   if plan.folded or plan.band:
     needed = active
@@ -961,7 +985,9 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.acc[rows, :] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
   def step(masked: bool):
-    if masked and plan.bq_masked:
+    if masked and plan.diagonal:
+      _diagonal_tiles(plan.bq_masked, bq, tile)
+    elif masked and plan.bq_masked:
       _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
     else:
       tile(pl.ds(0, bq), pl.ds(0, bkv), masked)
@@ -1031,7 +1057,9 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.dk_acc[kv_rows, :] += lax.dot_general(dst.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
 
   def step(masked: bool):
-    if masked and plan.bq_masked:
+    if masked and plan.diagonal:
+      _diagonal_tiles(plan.bq_masked, bq, tile, transposed=True)
+    elif masked and plan.bq_masked:
       _masked_tiles(p, plan, i, j, plan.bkv_masked, plan.bq_masked, tile, transposed=True)
     else:
       tile(pl.ds(0, bkv), pl.ds(0, bq), masked)

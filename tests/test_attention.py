@@ -269,6 +269,33 @@ def test_folded_causal_grid(sq, extra):
   grads_close(kw, q, k, v)
 
 
+@pytest.mark.parametrize("sq,block,tile,kw", [
+    (1024, 512, 128, dict()),                       # 4 tiles a side: tall tiles of 384, 256, 128 rows
+    (768, 256, 128, dict(sinks=True, dropout=True)),  # nq = 3 (the middle row idle), GQA 4/2
+], ids=["4x4_tiles", "2x2_tiles_odd_nq_gqa_sinks_dropout"])
+def test_diagonal_blocks_in_tall_tiles(sq, block, tile, kw, monkeypatch):
+  # Folded causal grid, no segments / mask: the only blocks that need masking are diagonal, so the
+  # forward, dq and dk/dv kernels run them with a static tile pattern (the masked diagonal tile
+  # and one tall unmasked tile per column) instead of tile by tile.
+  monkeypatch.setattr(att, "KV_COMPUTE", 128)
+  monkeypatch.setattr(att, "MASKED_TILE", tile)
+  h, kvh = (4, 2) if kw else (2, 1)
+  q, k, v = qkv(sq=sq, h=h, kvh=kvh)
+  kw = dict(causal=True, **({"sinks": jnp.linspace(-1.0, 1.0, h), "dropout_rate": 0.2,
+                             "dropout_key": jax.random.key(2)} if kw else {}))
+  blocks = BlockSizes(block, block, block, block)
+  for backward in (False, True):
+    plan = att._plan(_problem(q, k, v, causal=True), blocks, backward=backward)
+    assert plan.folded and plan.diagonal and plan.bq_masked == tile
+  assert not att._plan(_problem(q, k, v, causal=True, segment_ids=jnp.zeros((1, sq), jnp.int32)),
+                       blocks, backward=False).diagonal
+  out, lse = run(q, k, v, block_sizes=blocks, return_residuals=True, **kw)
+  ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
+  close(out, ref)
+  close(lse, ref_lse)
+  grads_close(kw, q, k, v, blocks=blocks)
+
+
 @pytest.mark.parametrize("causal,skv", [(True, 1000), (False, 1000), (True, 900)],
                          ids=["causal_window", "window", "causal_window_rows_see_nothing"])
 def test_window_band_grid(causal, skv):

@@ -8,7 +8,11 @@ GQA, sliding window) and each TPU generation in ``--generations`` it estimates:
   block sizes and at a few others (``--tune``);
 * ``splash``: the multi-head splash attention kernel
   (``jax.experimental.pallas.ops.tpu.splash_attention``, ``CausalMask`` / ``FullMask`` /
-  ``LocalMask``) at its default block sizes and a few others;
+  ``LocalMask``) at its default block sizes and a few others. Splash picks its blocks
+  from tables in SMEM, which libtpu's cost model reads as zeros; for the estimate its
+  table lookup is replaced by the same tables written as arithmetic, checked against
+  splash's own (``splash_tables_as_arithmetic``). Before that (until 2026-11-23) the
+  model charged splash for skipping almost every block, and its figures were void;
 * ``ours``: ``kernels.flash_attention`` at its defaults and a few other forward block
   sizes (when the module exists).
 
@@ -167,6 +171,99 @@ def _with_vjp(f, bwd):
   return g
 
 
+# --- splash's block tables, written as arithmetic for the cost model -----------------
+#
+# Splash decides which kv block a grid step loads, and whether it computes at all, from
+# tables prefetched into SMEM (``data_next``, ``block_mask``), read in one function,
+# ``_next_nonzero``. libtpu's cost model reads every SMEM-prefetched scalar as 0, so it
+# charges splash for running no block at all (estimates below the roofline) or for the
+# wrong ones. For the estimate, ``_next_nonzero`` is replaced by the same tables written
+# as products, shifts and comparisons, which the model evaluates; each formula is first
+# checked entry by entry against splash's own tables, and the replaced kernel against
+# the original in interpret mode (``tests/test_site_tools.py``). The kernel body, block
+# sizes and grid are splash's own.
+
+def _log2(n):
+  if n & (n - 1):
+    raise NotImplementedError(f"splash's tables as arithmetic need power-of-two blocks, got {n}")
+  return n.bit_length() - 1
+
+
+def _splash_table_formula(bq, bkv, nq, nkv, width, *, causal, window, dkv):
+  """``(h, i, j) -> (next, block_mask)`` for a causal / full / local mask on a square
+  problem, matching splash's shrunk tables (``width``: the table's shrunk axis)."""
+  sq, skv = _log2(bq), _log2(bkv)
+
+  def full_block(i, j):
+    ok = True
+    if causal:
+      ok = (j + 1) * bkv - 1 <= i * bq
+    if window:
+      ok = jnp.logical_and(ok, i * bq + bq - 1 - j * bkv <= window - 1)
+    return ok
+
+  def f(h, i, j):
+    del h
+    if not dkv:  # rows are q blocks; splash packs each row's visible kv blocks to the left
+      lo = jnp.maximum((i * bq - (window - 1)) >> skv, 0) if window else 0 * i
+      hi = jnp.minimum(((i + 1) * bq - 1) >> skv, nkv - 1) if causal else 0 * i + nkv - 1
+      real = lo + j
+      vis = real <= hi
+      nxt = jnp.where(vis, real, 0)
+      bm = jnp.where(vis, jnp.where(full_block(i, real), 2, 1), 0)
+    else:  # columns are kv blocks; splash packs each column's visible q blocks to the bottom
+      if window:
+        raise NotImplementedError("splash's dk/dv tables for a local mask are not written as arithmetic")
+      lo = (j * bkv) >> sq if causal else 0 * j
+      real = i - (width - nq)  # rows above (width - count) are padding; width == nq here
+      vis = jnp.logical_and(real >= lo, real >= 0)
+      nxt = jnp.where(vis, real, 0)
+      bm = jnp.where(vis, jnp.where(full_block(real, j), 2, 1), 0)
+    return nxt, bm
+  return f
+
+
+def splash_tables_as_arithmetic(kernel, seq, *, causal, window):
+  """Replace splash's ``_next_nonzero`` by checked arithmetic for ``kernel``'s tables."""
+  import numpy as np
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  bs = kernel.kwargs["block_sizes"]
+  formulas = {}
+  for name, bq, bkv, dkv in (("fwd_mask_info", bs.block_q, bs.block_kv, False),
+                             ("dq_mask_info", bs.block_q_dq, bs.block_kv_dq, False),
+                             ("dkv_mask_info", bs.block_q_dkv, bs.block_kv_dkv, True)):
+    mi = getattr(kernel, name, None)
+    if mi is None or bq is None:
+      continue
+    if mi.mask_next is not None:
+      raise NotImplementedError("splash's partial-mask tables are not written as arithmetic")
+    dn, bm = np.asarray(mi.data_next), np.asarray(mi.block_mask)
+    if any((a != a[:1]).any() for a in (dn, bm)):
+      raise NotImplementedError("splash's tables differ between heads")
+    nq, nkv = seq // bq, seq // bkv
+    f = _splash_table_formula(bq, bkv, nq, nkv, bm.shape[1 if dkv else 2], causal=causal,
+                              window=window, dkv=dkv)
+    i, j = np.indices(bm.shape[1:], dtype=np.int32)
+    got = [np.asarray(x) for x in f(0, jnp.asarray(i), jnp.asarray(j))]
+    if not (np.array_equal(got[0], dn[0]) and np.array_equal(got[1], bm[0])):
+      raise RuntimeError(f"splash's {name} differs from its arithmetic form")
+    key = (dkv, bm.shape[1:])
+    if key in formulas and formulas[key][1] != (bq, bkv):
+      raise NotImplementedError("two splash tables of one shape with different blocks")
+    formulas[key] = (f, (bq, bkv))
+
+  def next_nonzero(h, i, j, data_next_ref, block_mask_ref, m_next_ref, next_i=False):
+    if block_mask_ref is None:
+      return sk._original_next_nonzero(h, i, j, data_next_ref, block_mask_ref, m_next_ref, next_i)
+    f = formulas[(next_i, tuple(block_mask_ref.shape[1:]))][0]
+    nxt, bm = f(h, i, j)
+    return nxt, None, bm > 0, True  # should_not_mask is True without partial-mask tables
+
+  if not hasattr(sk, "_original_next_nonzero"):
+    sk._original_next_nonzero = sk._next_nonzero
+  sk._next_nonzero = next_nonzero
+
+
 def build(peer, c, blocks):
   """(function, abstract args) of ``peer`` on case ``c`` with ``blocks`` (None = defaults)."""
   b, s, h, hk, d = c["batch"], c["seq"], c["heads"], c["kv_heads"], c["head_dim"]
@@ -213,6 +310,7 @@ def build(peer, c, blocks):
       m = sa.FullMask((s, s))
     bs = None if blocks is None else sa.BlockSizes(**blocks)
     kernel = sa.make_splash_mha(sa.MultiHeadMask([m] * h), block_sizes=bs, head_shards=1, q_seq_shards=1)
+    splash_tables_as_arithmetic(kernel, s, causal=causal or bool(window), window=window)
     # The mask tables go in as arguments: as constants folded into the program, libtpu's
     # cost model aborts ("Unsupported DMA direction"), as arguments it estimates them.
     leaves, tree = jax.tree.flatten(kernel)
@@ -281,7 +379,7 @@ def _ours(bq, bkv, _compute, bwd):
 
 SWEEP = {  # (block_q, block_k_major or block_kv, block_k or block_kv_compute)
     "jax_flash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512)),
-    "splash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512)),
+    "splash": ((512, 512, 512), (1024, 1024, 512), (1024, 512, 512), (1024, 2048, 512), (2048, 2048, 512)),
     "ours": ((1024, 1024, None), (2048, 1024, None), (512, 512, None)),  # (default on v5e, v6e: 2048 / 2048)
 }
 

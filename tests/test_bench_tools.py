@@ -1,0 +1,81 @@
+"""The benchmark tools' own machinery: splash's block tables written as arithmetic.
+
+``tools/bench_attention.py`` replaces splash's table lookups by formulas so that libtpu's
+cost model (which reads SMEM-prefetched scalars as 0) charges the blocks splash really
+runs. These tests check that the replaced kernel computes exactly what splash computes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sa = pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+sk = sys.modules["jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel"]
+
+
+def _load_bench():
+  sys.path.insert(0, str(ROOT / "tools"))
+  spec = importlib.util.spec_from_file_location("tools_bench_attention", ROOT / "tools" / "bench_attention.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+bench = _load_bench()
+
+
+def _splash(mask, bq, bkv, bwd):
+  kw = dict(block_q=bq, block_kv=bkv, block_kv_compute=bkv)
+  if bwd:
+    kw.update(block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+  return sa.make_splash_mha(sa.MultiHeadMask([mask] * 2), block_sizes=sa.BlockSizes(**kw),
+                            head_shards=1, q_seq_shards=1, interpret=True)
+
+
+def _run(kernel, s, bwd):
+  q, k, v, do = (jax.random.normal(x, (2, s, 128), jnp.float32) for x in jax.random.split(jax.random.key(0), 4))
+  jax.clear_caches()  # splash's jit would otherwise reuse the trace made before the swap
+  out, pullback = jax.vjp(kernel, q, k, v)
+  return [out, *pullback(do)] if bwd else [out]
+
+
+@pytest.mark.parametrize("kind,s,bq,bkv,window,bwd", [
+    ("causal", 1024, 256, 128, None, True),
+    ("causal", 1024, 128, 256, None, True),
+    ("full", 512, 256, 128, None, True),
+    ("local", 1024, 256, 128, 300, False),
+])
+def test_splash_tables_as_arithmetic_compute_what_splash_computes(kind, s, bq, bkv, window, bwd):
+  mask = {"causal": sa.CausalMask((s, s)), "full": sa.FullMask((s, s)),
+          "local": sa.LocalMask((s, s), window_size=((window or 1) - 1, 0), offset=0)}[kind]
+  kernel = _splash(mask, bq, bkv, bwd)
+  want = _run(kernel, s, bwd)
+  original, calls = sk._next_nonzero, []
+  try:
+    bench.splash_tables_as_arithmetic(kernel, s, causal=kind != "full", window=window)
+    swapped = sk._next_nonzero
+    sk._next_nonzero = lambda *a, **k: (calls.append(1), swapped(*a, **k))[1]
+    got = _run(kernel, s, bwd)
+  finally:
+    sk._next_nonzero = original
+  assert calls, "the arithmetic tables were never consulted"
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_splash_tables_as_arithmetic_refuse_tables_they_do_not_match():
+  kernel = _splash(sa.CausalMask((1024, 1024)), 256, 128, False)
+  original = sk._next_nonzero
+  try:
+    with pytest.raises(RuntimeError, match="differs from its arithmetic form"):
+      bench.splash_tables_as_arithmetic(kernel, 1024, causal=False, window=None)  # claims a full mask
+  finally:
+    sk._next_nonzero = original
