@@ -392,8 +392,9 @@ def candidates(peer, c, table=None, gen=None):
   """Block sizes to try for ``peer`` on ``c``: the defaults (None) first, then others.
 
   On the target case, every block triple in SWEEP; on the other cases, the two best
-  triples of the target case on the same generation (a full sweep everywhere does not fit
-  in the time an estimate takes on this machine)."""
+  triples of the target case on the same generation, or on another one when it has none
+  there (a full sweep everywhere does not fit in the time an estimate takes on this
+  machine)."""
   if peer not in SWEEP:
     return [None]
   s, bwd = c["seq"], c["backward"]
@@ -401,6 +402,10 @@ def candidates(peer, c, table=None, gen=None):
   if case_key(c) != case_key(TARGET) and table is not None:
     tried = table["cases"].get(case_key(TARGET), {}).get("results", {}).get(gen, {}).get(peer, {}).get("tried", {})
     ranked = sorted((r["us"], name) for name, r in tried.items() if "us" in r and name != "default")
+    if not ranked:  # no estimate of the target on this generation (splash aborts on v5e): the other's best
+      for other in table["cases"].get(case_key(TARGET), {}).get("results", {}).values():
+        tried = other.get(peer, {}).get("tried", {})
+        ranked = ranked or sorted((r["us"], name) for name, r in tried.items() if "us" in r and name != "default")
     triples = []
     for _, name in ranked[:2]:
       d = json.loads(name)
