@@ -270,25 +270,34 @@ def test_folded_causal_grid(sq, extra):
 
 
 @pytest.mark.parametrize("sq,block,tile,kw", [
-    (1024, 512, 128, dict()),                       # 4 tiles a side: tall tiles of 384, 256, 128 rows
-    (768, 256, 128, dict(sinks=True, dropout=True)),  # nq = 3 (the middle row idle), GQA 4/2
-], ids=["4x4_tiles", "2x2_tiles_odd_nq_gqa_sinks_dropout"])
-def test_diagonal_blocks_in_tall_tiles(sq, block, tile, kw, monkeypatch):
-  # Folded causal grid, no segments / mask: the only blocks that need masking are diagonal, so the
-  # forward, dq and dk/dv kernels run them with a static tile pattern (the masked diagonal tile
-  # and one tall unmasked tile per column) instead of tile by tile.
+    (1024, 512, 128, dict(causal=True)),         # 4 tiles a side: tall tiles of 384, 256, 128 rows
+    (768, 256, 128, dict(causal=True, extra=True)),  # nq = 3 (the middle row idle), GQA 4/2, sinks, dropout
+    (1024, 256, 128, dict(causal=True, sliding_window=300)),  # window edges: 3 patterns (d = -2, -1, 0)
+    (1024, 512, 128, dict(sliding_window=200)),  # symmetric window: 3 patterns (d = -1, 0, 1)
+], ids=["causal_4x4_tiles", "causal_odd_nq_gqa_sinks_dropout", "causal_window", "window"])
+def test_static_tile_patterns(sq, block, tile, kw, monkeypatch):
+  # Square blocks, q_len == kv_len, no segments / mask: a block that needs masking has a tile
+  # pattern fixed by j - i, run as runs of tall tiles (no pl.when per tile) in the forward, dq
+  # and dk/dv kernels.
   monkeypatch.setattr(att, "KV_COMPUTE", 128)
   monkeypatch.setattr(att, "MASKED_TILE", tile)
-  h, kvh = (4, 2) if kw else (2, 1)
+  kw = dict(kw)
+  extra = kw.pop("extra", False)
+  h, kvh = (4, 2) if extra else (2, 1)
   q, k, v = qkv(sq=sq, h=h, kvh=kvh)
-  kw = dict(causal=True, **({"sinks": jnp.linspace(-1.0, 1.0, h), "dropout_rate": 0.2,
-                             "dropout_key": jax.random.key(2)} if kw else {}))
+  if extra:
+    kw.update(sinks=jnp.linspace(-1.0, 1.0, h), dropout_rate=0.2, dropout_key=jax.random.key(2))
   blocks = BlockSizes(block, block, block, block)
+  structure = {x: kw[x] for x in ("causal", "sliding_window") if x in kw}
   for backward in (False, True):
-    plan = att._plan(_problem(q, k, v, causal=True), blocks, backward=backward)
-    assert plan.folded and plan.diagonal and plan.bq_masked == tile
-  assert not att._plan(_problem(q, k, v, causal=True, segment_ids=jnp.zeros((1, sq), jnp.int32)),
-                       blocks, backward=False).diagonal
+    plan = att._plan(_problem(q, k, v, **structure), blocks, backward=backward)
+    n = {0: 1, 300: 3, 200: 3}[kw.get("sliding_window", 0)]
+    assert plan.bq_masked == tile and len(plan.patterns) == len(plan.patterns_t) == n
+    for d, tiles in plan.patterns + plan.patterns_t:  # the tiles of a pattern cover each (row, col) tile cell at most once
+      cells = [(r // tile + a, c // tile) for r, nr, c, nc, _ in tiles for a in range(nr // tile)]
+      assert len(cells) == len(set(cells)) and all(nc == tile for *_, nc, _ in tiles)
+  assert not att._plan(_problem(q, k, v, segment_ids=jnp.zeros((1, sq), jnp.int32), **structure),
+                       blocks, backward=False).patterns
   out, lse = run(q, k, v, block_sizes=blocks, return_residuals=True, **kw)
   ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
   close(out, ref)
