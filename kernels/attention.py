@@ -146,6 +146,8 @@ bf16, batch 1, head_dim 128, BHSD, seen while developing
   as lane partial sums: v5e 224.2 us (77.8%); non-causal v5e 386.5 us (90.3%).
   With the diagonal blocks in tall tiles: v5e 216.3 us (80.6%), v6e 116.0 us; the
   causal forward+backward at S=4096: v5e 271.5 -> 263.0 us, v6e 150.1 -> 138.4 us.
+  The same static patterns along a window's edges: causal W=1024 at S=8192, v5e
+  104.9 -> 93.0 us, v6e 79.7 -> 66.8 us.
 """
 from __future__ import annotations
 
