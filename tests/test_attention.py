@@ -305,6 +305,32 @@ def test_static_tile_patterns(sq, block, tile, kw, monkeypatch):
   grads_close(kw, q, k, v, blocks=blocks)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(sliding_window=70, kvh=2), dict(causal=True, skv=390)],
+                         ids=["causal", "full", "window_gqa", "causal_cross_kv_tail"])
+def test_fused_and_separate_dq(kw, monkeypatch):
+  # dq is computed by the dk/dv kernel (a VMEM accumulator of the whole group's q rows) when that
+  # fits FUSED_DQ_VMEM of the chip's VMEM, else by its own kernel: both give the reference's grads.
+  kw = dict(kw)
+  kvh, skv = kw.pop("kvh", 1), kw.pop("skv", None)
+  q, k, v = qkv(sq=300, skv=skv, h=4, kvh=kvh)
+  prob = _problem(q, k, v, **kw)
+  assert att._plan(prob, SMALL, backward=True).fused_dq
+  assert not att._plan(_problem(q, k, v, bias=rand((1, 4, 300, skv or 300), seed=5), **kw), SMALL,
+                       backward=True).fused_dq  # the dq kernel writes the bias gradient
+  grads_close(kw, q, k, v)
+  monkeypatch.setattr(att, "FUSED_DQ_VMEM", 0.0)
+  assert not att._plan(prob, SMALL, backward=True).fused_dq
+  grads_close(kw, q, k, v)
+
+
+def test_fused_dq_needs_vmem():
+  # The fused dq holds (group, q_len, D) in VMEM: at 128k tokens it is the separate dq kernel.
+  p = _problem(*qkv(sq=131072, h=1, kvh=1, d=128, dtype=jnp.bfloat16), causal=True)
+  assert not att._plan(p, BlockSizes(1024, 1024, 1024, 1024), backward=True).fused_dq
+  p = _problem(*qkv(sq=8192, h=1, kvh=1, d=128, dtype=jnp.bfloat16), causal=True)
+  assert att._plan(p, BlockSizes(1024, 1024, 1024, 1024), backward=True).fused_dq
+
+
 @pytest.mark.parametrize("causal,skv", [(True, 1000), (False, 1000), (True, 900)],
                          ids=["causal_window", "window", "causal_window_rows_see_nothing"])
 def test_window_band_grid(causal, skv):
