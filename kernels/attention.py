@@ -514,7 +514,7 @@ def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
 
 
 def _vmem(p: _Problem, bq: int, bkv: int, nblocks_q: int, nblocks_kv: int, acc: int, blocks,
-          temp_cols: int | None = None, extra: int = 0) -> int | None:
+          temp_cols: int | None = None, extra: int = 0, temps: int = 4) -> int | None:
   """VMEM limit for a kernel with ``nblocks_*`` pipelined (bq|bkv, D) tiles and ``acc`` f32 accumulators;
   its f32 temporaries are ``(bq, temp_cols)`` tiles (``temp_cols``: bkv, or the forward's sub-block)."""
   d = p.d
@@ -524,7 +524,7 @@ def _vmem(p: _Problem, bq: int, bkv: int, nblocks_q: int, nblocks_kv: int, acc: 
     pipelined += [((bq, bkv), jnp.float32)] * 2
   # f32 accumulators, m / l, and the live (bq, bkv) f32 temporaries (scores, probabilities, dp, ds)
   scratch = ([((bq, d), jnp.float32)] * acc + [((bq, 128), jnp.float32)] * 2
-             + [((bq, temp_cols or bkv), jnp.float32)] * 4)
+             + [((bq, temp_cols or bkv), jnp.float32)] * temps)
   footprint = tiling.vmem_footprint(pipelined, scratch=scratch) + extra
   chip = target_chip()
   return tiling.vmem_limit(footprint, chip or "v5e", argument="block_sizes", value=blocks)
@@ -564,7 +564,9 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
     bkv = _fit(blocks.block_kv_bwd, p.skv, 128, "block_kv_bwd", blocks)
     dq_bytes = _fused_dq_bytes(p, bq)
     fused_dq = p.bias_shape is None and dq_bytes <= get_chip(chip.name if chip else "v5e").vmem_bytes * FUSED_DQ_VMEM
-    limit = _vmem(p, max(bq, bkv), max(bq, bkv), 2, 2, 2, blocks, extra=dq_bytes if fused_dq else 0)
+    # (the backward's tile math keeps ~8 (bkv, bq) f32 temporaries live: s, p, dp, ds and their
+    # casts; with 2048 blocks Mosaic asked for 135 MiB on v5e and v6e, which have 128)
+    limit = _vmem(p, max(bq, bkv), max(bq, bkv), 2, 2, 2, blocks, extra=dq_bytes if fused_dq else 0, temps=8)
   else:
     bq = _fit(blocks.block_q, p.sq, tiling.sublane_multiple(p.dtype), "block_q", blocks)
     bkv = _fit(blocks.block_kv, p.skv, 128, "block_kv", blocks)

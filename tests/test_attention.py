@@ -323,6 +323,22 @@ def test_fused_and_separate_dq(kw, monkeypatch):
   grads_close(kw, q, k, v)
 
 
+def test_backward_blocks_too_big_for_vmem():
+  # 2048-blocks in the backward need ~135 MiB of VMEM (Mosaic's own count on v5e and v6e, which
+  # have 128): a clear error naming block_sizes, raised while tracing, before Mosaic runs.
+  from kernels.backend import target
+  from kernels.errors import VmemOverflowError
+  q = jax.ShapeDtypeStruct((1, 2, 4096, 128), jnp.bfloat16)
+  f = functools.partial(att.flash_attention, causal=True, layout="BHSD", block_sizes=BlockSizes(2048, 2048, 2048, 2048))
+  grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  for gen in ("v5e", "v6e"):
+    with target(gen), pytest.raises(VmemOverflowError, match="block_sizes"):
+      jax.eval_shape(grad, q, q, q)
+    with target(gen):
+      jax.eval_shape(jax.grad(lambda q, k, v: att.flash_attention(  # the default 1024-blocks fit
+          q, k, v, causal=True, layout="BHSD", implementation="pallas").astype(jnp.float32).sum()), q, q, q)
+
+
 def test_fused_dq_needs_vmem():
   # The fused dq holds (group, q_len, D) in VMEM: at 128k tokens it is the separate dq kernel.
   p = _problem(*qkv(sq=131072, h=1, kvh=1, d=128, dtype=jnp.bfloat16), causal=True)
