@@ -599,7 +599,7 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
 # accumulator of all the q rows of its GQA group, when that takes at most this fraction of the
 # chip's VMEM (with the dq output block); else a separate dq kernel recomputes s, p and dp. Fused,
 # the exponentials and two of the five matmuls are not done twice: non-causal forward+backward at
-# S=4096 (compiler estimates) v5e 437.8 -> 349.3 us, v6e 210.2 -> 165.9 us (prototype, HBM partials).
+# S=4096 (compiler estimates) v5e 437.8 -> 347.1 us, v6e 210.2 -> 163.6 us.
 FUSED_DQ_VMEM = 1 / 8
 
 
