@@ -60,11 +60,11 @@ with segment ids / a dense mask pay for the masking. Segment ids do not skip blo
 In the forward, a causal / window block that needs masking is cut into tiles of
 ``MASKED_TILE`` (512) rows and keys, each of which is skipped, run unmasked or run
 masked on its own: a 1024 x 1024 diagonal block does 3/4 of the work, half of it
-without masking. In the folded grid below (no segments, no dense mask) the blocks that
-need masking are exactly the diagonal ones, whose tile pattern is static: each column of
-tiles runs as its masked diagonal tile plus one tall unmasked tile of every row below it
-(the dk/dv kernel: above it), with no per-tile branch (:func:`_tile_patterns`; the same for
-the blocks along a sliding window's edges).
+without masking. With square blocks, q_len == kv_len, no tails and no segments / dense
+mask / bias, a block's tile pattern depends only on ``j - i``, so it is worked out when
+the kernel is built (:func:`_tile_patterns`): a causal diagonal block runs, per column of
+tiles, as its masked diagonal tile plus one tall unmasked tile of every row below it (the
+dk/dv kernel: above it), with no per-tile branch; the same holds along a window's edges.
 
 *Folded causal grid.* With square blocks and ``q_len == kv_len`` (the common causal
 case), q row ``i`` needs kv blocks ``0..i``; a plain grid spends ``nq - 1 - i`` steps
@@ -563,7 +563,8 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
     bq = _fit(blocks.block_q_bwd, p.sq, 128, "block_q_bwd", blocks)
     bkv = _fit(blocks.block_kv_bwd, p.skv, 128, "block_kv_bwd", blocks)
     dq_bytes = _fused_dq_bytes(p, bq)
-    fused_dq = p.bias_shape is None and dq_bytes <= get_chip(chip.name if chip else "v5e").vmem_bytes * FUSED_DQ_VMEM
+    vmem = get_chip(chip.name if chip else "v5e").vmem_bytes
+    fused_dq = p.bias_shape is None and dq_bytes <= vmem * FUSED_DQ_VMEM
     # (the backward's tile math keeps ~8 (bkv, bq) f32 temporaries live: s, p, dp, ds and their
     # casts; with 2048 blocks Mosaic asked for 135 MiB on v5e and v6e, which have 128)
     limit = _vmem(p, max(bq, bkv), max(bq, bkv), 2, 2, 2, blocks, extra=dq_bytes if fused_dq else 0, temps=8)
@@ -620,7 +621,8 @@ def _tile_patterns(p: _Problem, b: int, t: int, n: int, transposed: bool) -> tup
   tile: a causal diagonal block becomes, per column, its masked diagonal tile and one unmasked
   tile of all the rows below. A tall tile streams more rows past each MXU weight load, and no
   tile needs a ``pl.when``: the causal forward at S=8192 went from 131.7 to 116.0 us on v6e and
-  from 224.2 to 216.3 us on v5e (compiler estimates). Python ints in, Python bools out."""
+  from 224.2 to 216.3 us on v5e (compiler estimates). Evaluated at plan time: the tile tests
+  get Python ints here and return Python bools."""
   out = []
   for d in range(-(n - 1), n):
     r0, r1, c0, c1 = 0, b - 1, d * b, d * b + b - 1  # block (0, d): visibility is shift-invariant
@@ -907,6 +909,10 @@ def _visibility_tile(p, r, qpos, kpos, b, h, i_ids, kv_cols=slice(None), q_rows=
 def _masked_tiles(p: _Problem, plan: _Plan, i, j, rows: int, cols: int, tile, transposed=False):
   """Runs a block that needs masking as ``(rows, cols)`` tiles (q rows x kv keys, or kv x q when
   ``transposed``), each skipped, unmasked or masked: ``tile(row_slice, col_slice, masked)``."""
+  patterns = plan.patterns_t if transposed else plan.patterns
+  if patterns:  # the block's tile pattern is known statically
+    _pattern_tiles(patterns, i, j, tile)
+    return
   bq, bkv = plan.bq, plan.bkv
   n_r, n_c = (bkv, bq) if transposed else (bq, bkv)
   for a in range(n_r // rows):
@@ -997,10 +1003,7 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     # A block crossing the causal diagonal / window edge: cut it into (bq_masked, bkv_masked)
     # tiles, each skipped, run unmasked or run masked on its own (a 1024 x 1024 diagonal block
     # in 512 x 512 tiles: one skipped, one unmasked, two masked).
-    if plan.patterns:
-      _pattern_tiles(plan.patterns, i, j, tile)
-    else:
-      _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
+    _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
 
   if plan.folded or plan.band:
     needed = active
@@ -1060,9 +1063,7 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.acc[rows, :] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
   def step(masked: bool):
-    if masked and plan.patterns:
-      _pattern_tiles(plan.patterns, i, j, tile)
-    elif masked and plan.bq_masked:
+    if masked and plan.bq_masked:
       _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
     else:
       tile(pl.ds(0, bq), pl.ds(0, bkv), masked)
@@ -1150,9 +1151,7 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
       r.dq_acc[g, rows, :] += lax.dot_general(dst.astype(k.dtype), k, _TN, preferred_element_type=jnp.float32)
 
   def step(masked: bool):
-    if masked and plan.patterns_t:
-      _pattern_tiles(plan.patterns_t, i, j, tile)
-    elif masked and plan.bq_masked:
+    if masked and plan.bq_masked:
       _masked_tiles(p, plan, i, j, plan.bkv_masked, plan.bq_masked, tile, transposed=True)
     else:
       tile(pl.ds(0, bkv), pl.ds(0, bq), masked)

@@ -180,7 +180,7 @@ def _with_vjp(f, bwd):
 # wrong ones. For the estimate, ``_next_nonzero`` is replaced by the same tables written
 # as products, shifts and comparisons, which the model evaluates; each formula is first
 # checked entry by entry against splash's own tables, and the replaced kernel against
-# the original in interpret mode (``tests/test_site_tools.py``). The kernel body, block
+# the original in interpret mode (``tests/test_bench_tools.py``). The kernel body, block
 # sizes and grid are splash's own.
 
 def _log2(n):
@@ -189,9 +189,9 @@ def _log2(n):
   return n.bit_length() - 1
 
 
-def _splash_table_formula(bq, bkv, nq, nkv, width, *, causal, window, dkv):
+def _splash_table_formula(bq, bkv, nkv, *, causal, window, dkv):
   """``(h, i, j) -> (next, block_mask)`` for a causal / full / local mask on a square
-  problem, matching splash's shrunk tables (``width``: the table's shrunk axis)."""
+  problem, matching splash's shrunk tables."""
   sq, skv = _log2(bq), _log2(bkv)
 
   def full_block(i, j):
@@ -211,14 +211,13 @@ def _splash_table_formula(bq, bkv, nq, nkv, width, *, causal, window, dkv):
       vis = real <= hi
       nxt = jnp.where(vis, real, 0)
       bm = jnp.where(vis, jnp.where(full_block(i, real), 2, 1), 0)
-    else:  # columns are kv blocks; splash packs each column's visible q blocks to the bottom
+    else:  # columns are kv blocks; splash packs each column's visible q blocks to the bottom,
+      # which for causal / full leaves every q block in its own row
       if window:
         raise NotImplementedError("splash's dk/dv tables for a local mask are not written as arithmetic")
-      lo = (j * bkv) >> sq if causal else 0 * j
-      real = i - (width - nq)  # rows above (width - count) are padding; width == nq here
-      vis = jnp.logical_and(real >= lo, real >= 0)
-      nxt = jnp.where(vis, real, 0)
-      bm = jnp.where(vis, jnp.where(full_block(real, j), 2, 1), 0)
+      vis = i >= ((j * bkv) >> sq) if causal else i >= 0
+      nxt = jnp.where(vis, i, 0)
+      bm = jnp.where(vis, jnp.where(full_block(i, j), 2, 1), 0)
     return nxt, bm
   return f
 
@@ -240,11 +239,9 @@ def splash_tables_as_arithmetic(kernel, seq, *, causal, window):
     dn, bm = np.asarray(mi.data_next), np.asarray(mi.block_mask)
     if any((a != a[:1]).any() for a in (dn, bm)):
       raise NotImplementedError("splash's tables differ between heads")
-    nq, nkv = seq // bq, seq // bkv
     key = (dkv, bm.shape[1:])
     try:
-      f = _splash_table_formula(bq, bkv, nq, nkv, bm.shape[1 if dkv else 2], causal=causal,
-                                window=window, dkv=dkv)
+      f = _splash_table_formula(bq, bkv, seq // bkv, causal=causal, window=window, dkv=dkv)
     except NotImplementedError as e:  # raised only if a kernel that reads this table is traced
       formulas.setdefault(key, (e, (bq, bkv)))
       continue
