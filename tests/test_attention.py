@@ -293,7 +293,7 @@ def test_static_tile_patterns(sq, block, tile, kw, monkeypatch):
     plan = att._plan(_problem(q, k, v, **structure), blocks, backward=backward)
     n = {0: 1, 300: 3, 200: 3}[kw.get("sliding_window", 0)]
     assert plan.bq_masked == tile and len(plan.patterns) == len(plan.patterns_t) == n
-    for d, tiles in plan.patterns + plan.patterns_t:  # the tiles of a pattern cover each (row, col) tile cell at most once
+    for d, tiles in plan.patterns + plan.patterns_t:  # each (row, col) tile cell at most once
       cells = [(r // tile + a, c // tile) for r, nr, c, nc, _ in tiles for a in range(nr // tile)]
       assert len(cells) == len(set(cells)) and all(nc == tile for *_, nc, _ in tiles)
   assert not att._plan(_problem(q, k, v, segment_ids=jnp.zeros((1, sq), jnp.int32), **structure),
