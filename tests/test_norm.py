@@ -160,6 +160,56 @@ def test_chunk_loop_split_reads_and_ragged_blocks(kind, rows):
   assert_close(call(kind, x, scale, bias, block_sizes=rows), oracle(kind, x, scale, bias)[0], jnp.float32)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,residual,with_params", [
+    (jnp.bfloat16, 4096, True, True), (jnp.float32, 4352, False, True), (jnp.bfloat16, 4352, False, False),
+    (jnp.float32, 4096, True, False)])
+def test_streamed_sweeps(kind, dtype, hidden, residual, with_params):
+  # Widths >= STREAM_MIN_WIDTH run as column sweeps (the residual forward and every backward): 40 rows
+  # in blocks of 16 (the last ragged), with and without scale and bias.
+  rows = 16
+  p = nm._validate(kind, rand((40, hidden), dtype), None, None, None, 1e-6)
+  assert nm._streamed(p, rows)
+  x, r = rand((40, hidden), dtype, loc=1.0), (rand((40, hidden), dtype, seed=1) if residual else None)
+  scale, bias = params(kind, hidden) if with_params else (None, None)
+  out = call(kind, x, scale, bias, residual=r, block_sizes=rows)
+  want = oracle(kind, x, scale, bias, residual=r)
+  for o, w in zip(out if residual else (out,), want):
+    assert_close(o, w, dtype)
+  cts = (rand(x.shape, dtype, seed=2), rand(x.shape, dtype, seed=3))
+  names = [n for n, v in (("x", x), ("r", r), ("s", scale), ("b", bias)) if v is not None]
+
+  def grads(fn):
+    def f(*args):
+      a = dict(zip(names, args))
+      return fn(kind, a["x"], a.get("s"), a.get("b"), residual=a.get("r"))
+    primals = [{"x": x, "r": r, "s": scale, "b": bias}[n] for n in names]
+    return jax.vjp(f, *primals)[1](cts if residual else cts[0])
+
+  got = grads(lambda *a, **k: call(*a, block_sizes=rows, **k))
+  want = grads(reference)
+  tol = GRAD_RTOL if dtype == jnp.float32 else 2e-2
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(f64(g), f64(w), rtol=tol, atol=tol * np.abs(f64(w)).max())
+
+
+def test_streamed_partial_block_with_nan_in_stale_vmem():
+  # The streamed backward's column sums must not see the last block's stale (NaN) rows either.
+  ip = pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+  x, r = rand((37, 4096), loc=0.3), rand((37, 4096), seed=1)
+  scale, bias = params("layer", 4096)
+  cts = (rand((37, 4096), seed=2), rand((37, 4096), seed=3))
+  for kind in KINDS:
+    b = bias if kind == "layer" else None
+    (y, h), vjp = jax.vjp(lambda x, r, s: call(kind, x, s, b, residual=r, interpret=ip), x, r, scale)
+    grads = vjp(cts)
+    for a in (y, h) + tuple(grads):
+      assert np.isfinite(np.asarray(a)).all()
+    want = jax.vjp(lambda x, r, s: reference(kind, x, s, b, residual=r), x, r, scale)[1](cts)
+    for g, w in zip(grads, want):
+      np.testing.assert_allclose(f64(g), f64(w), atol=GRAD_RTOL * np.abs(f64(w)).max())
+
+
 def test_no_scale_no_bias_and_scale_only():
   x = rand((40, 256))
   scale, bias = params("layer", 256)
@@ -394,6 +444,11 @@ def test_aot_compiles_forward_and_backward(generation):
   args = (sds((1, 4096), jnp.float32),) * 2 + (sds((4096,), jnp.float32),) * 2
   comp = kernels.compile_for_tpu(_fwd_bwd("rms", False), *args, generation=generation)
   assert comp.hlo.count("tpu_custom_call") == 2
+  # the streamed sweeps (width 4096, 64 rows in one block), RMS and layer, with the residual
+  args = (sds((64, 4096), bf16),) * 2 + (sds((4096,), jnp.float32),) * 2
+  for kind in KINDS:
+    comp = kernels.compile_for_tpu(_fwd_bwd(kind, True), *args, generation=generation)
+    assert comp.hlo.count("tpu_custom_call") == 2
 
 
 @pytest.mark.tpu_aot
