@@ -26,7 +26,13 @@ writes back only the rows that exist.
 
 *Chunks.* Inside a block the math runs a few rows at a time (16 rows of bf16 at
 H=4096, about 64 KiB of f32), in a loop: a whole block's f32 temporaries would not fit
-the 64 vector registers, and every spilled op pays a VMEM load and store.
+the 64 vector registers, and every spilled op pays a VMEM load and store. Even one
+chunk's f32 rows (64 registers at H=4096) spill, because they live across the row
+reduction. So at widths of 4096 and more (multiples of 256) the fused add-and-norm
+forward and every backward *stream*: one sweep reads the chunk 256 lanes at a time
+and keeps only lane-partial row sums, a second sweep re-reads the rows from the VMEM
+block for the outputs (:func:`_backward_streamed_kernel`). Re-reading VMEM costs loads
+and unpacks; spilling cost stores, and v5e issues one vector store per cycle.
 
 *DMAs.* The forward kernel with a single row input (no residual) reads each block as
 two DMAs of half the rows (the same array passed twice, with index maps ``2i`` and
@@ -66,7 +72,10 @@ memory-bound kernel). With ``c = h - mean`` (layer) or ``c = h`` (RMS),
 
 The second form is what the kernel computes: ``dy * c`` serves both ``dx`` and
 ``dscale``, and ``xhat`` is never formed, a few vector ops per element fewer (the cost
-model finds this kernel bound by vector work, not by HBM). With a residual, the
+model finds this kernel bound by vector work, not by HBM). The streamed backward keeps
+each row's ``rstd`` and ``k = -rstd^3 * mean(dy * c * scale)`` in a small VMEM scratch
+between its two sweeps, and forms ``u = dy * rstd``, which gives both ``dx = u * scale
++ c * k`` and ``dscale``'s term ``u * c``. With a residual, the
 cotangent of the returned ``h`` is added to ``dx`` in the kernel, and ``x`` and ``r``
 both receive it. ``dscale`` and ``dbias`` are column sums over all rows: each grid step
 accumulates its chunks into an ``(8, H)`` f32 scratch (plain vector adds), then writes
@@ -86,9 +95,8 @@ and in XLA's fusions, a plain copy is estimated at about twice the published HBM
 bandwidth, so memory-bound estimates beat the nominal roofline). Known weak spots
 there: on v6e the model grants XLA's fusions about twice the bandwidth of any Pallas
 DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas kernel), and XLA's RMS norm
-forward is estimated faster than this kernel's; the RMS add-and-norm forward +
-backward is estimated only 1.1x faster than XLA's (the backward is bound by vector
-work in the model).
+forward is estimated faster than this kernel's, and the RMS add-and-norm forward +
+backward only about 1.1x faster than XLA's there.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate*
 (``kernels.estimate_tpu``, libtpu's static cost model), never a measurement.
 
 * ``tune`` -> ``norm_blocks.json``: for v5e, v5p and v6e, bf16, a few widths
-  (8192 rows), the fused add-and-layer-norm forward at several block sizes (rows x
+  (8192 rows), the fused add-and-norm forward (layer and RMS each) at several block sizes (rows x
   width x 2 bytes from 512 KiB to 4 MiB), then the backward pass at several sizes
   (estimated as forward + backward with the best forward). v4 has no cost model: its
   entries are v5p's (the kernel shrinks blocks that do not fit v4's VMEM).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import json
 import os
 import platform
@@ -57,9 +58,10 @@ BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
 # forward + backward programs are version 2 (they return the residual's gradient once; see _program);
-# our kernel is version 5 (chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22).
+# our kernel is version 6 (chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
+# streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23).
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 5
+KERNEL_VERSION = 6
 
 
 def _version(cfg) -> int:
@@ -171,34 +173,36 @@ def _header(description):
 def tune(args):
   table = result_tables.load(BLOCKS_OUT) or _header(
       "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') per TPU generation "
-      "and dtype, for the tuned widths (8192 rows, fused add-and-layer-norm); a call uses the nearest width and "
+      "and dtype, for the tuned widths (8192 rows, fused add-and-norm, layer and RMS each); a call uses the nearest "
+      "width and "
       "scales the rows to keep the block's bytes. Chosen from compiler estimates (libtpu's static cost model): "
       "estimates, not measurements. v4 (no cost model) copies v5p.")
   defaults = table.setdefault("defaults", {})
   for gen in args.generations:
-    for hidden in args.widths:
+    for hidden, kind in itertools.product(args.widths, args.kinds):
       entries = defaults.setdefault(gen, {}).setdefault("bfloat16", [])
-      if any(e["hidden"] == hidden for e in entries) and not args.force:
+      same = lambda e: e["hidden"] == hidden and e.get("kind", "layer") == kind  # noqa: E731
+      if any(same(e) for e in entries) and not args.force:
         continue
       t0 = time.time()
-      base = dict(generation=gen, kind="layer", dtype="bfloat16", hidden=hidden, residual=True, impl="ours")
+      base = dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=True, impl="ours")
       fwd = {}
       for rows in sorted({max(8, b // (hidden * 2)) for b in BLOCK_BYTES}):
         fwd[rows] = estimate_isolated(dict(base, mode="fwd", rows=rows, backward_rows=rows))
-        print(f"{gen} H={hidden} forward rows={rows}: {fwd[rows]}", flush=True)
+        print(f"{gen} {kind} H={hidden} forward rows={rows}: {fwd[rows]}", flush=True)
       best = min((r for r in fwd if "us" in fwd[r]), key=lambda r: fwd[r]["us"])
       bwd = {}
       for rows in sorted({max(8, b // (hidden * 2)) for b in BACKWARD_BLOCK_BYTES}):
         bwd[rows] = estimate_isolated(dict(base, mode="fwdbwd", rows=best, backward_rows=rows))
-        print(f"{gen} H={hidden} forward+backward rows={best}/{rows}: {bwd[rows]}", flush=True)
+        print(f"{gen} {kind} H={hidden} forward+backward rows={best}/{rows}: {bwd[rows]}", flush=True)
       best_b = min((r for r in bwd if "us" in bwd[r]), key=lambda r: bwd[r]["us"])
-      entries[:] = [e for e in entries if e["hidden"] != hidden] + [{
-          "hidden": hidden, "rows": best, "backward_rows": best_b, "forward": fwd[best],
+      entries[:] = [e for e in entries if not same(e)] + [{
+          "hidden": hidden, "kind": kind, "rows": best, "backward_rows": best_b, "forward": fwd[best],
           "forward_and_backward": bwd[best_b],
           "forward_sweep": {str(r): v.get("us") for r, v in fwd.items()},
           "backward_sweep": {str(r): v.get("us") for r, v in bwd.items()},
           "tuned": datetime.date.today().isoformat(), "wall_seconds": round(time.time() - t0)}]
-      entries.sort(key=lambda e: e["hidden"])
+      entries.sort(key=lambda e: (e["hidden"], e.get("kind", "layer")))
       if "v5p" in defaults:
         defaults["v4"] = {"bfloat16": [dict(e, source="v5p's choice (libtpu has no cost model for v4)")
                                        for e in defaults["v5p"]["bfloat16"]]}
@@ -245,6 +249,7 @@ def main(argv=None):
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*")
   ap.add_argument("--widths", nargs="*", type=int)
+  ap.add_argument("--kinds", nargs="*", default=["layer", "rms"])
   ap.add_argument("--force", action="store_true")
   args = ap.parse_args(argv)
   if args.job == "one":
