@@ -168,7 +168,8 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, hidden: int = 4096,
   """The shipped default rows per block for width ``hidden`` on ``generation`` (None: v5e).
 
   ``kernels/data/norm_blocks.json`` holds, per generation and dtype, the rows
-  ``tools/tune_norm.py`` found fastest for a few widths. A call takes the nearest
+  ``tools/tune_norm.py`` found fastest for a few widths, for layer and RMS norm each
+  (fused add-and-norm, forward and forward + backward). A call takes the nearest
   tuned width (log2 distance) and scales its rows to keep the block's bytes, rounded
   down to a power of two (at least 8). Before use, :func:`fit_block_sizes` shrinks
   them to fit VMEM.

@@ -52,7 +52,7 @@ BENCH_OUT = os.path.join(DATA, "norm_bench.json")
 
 ROWS = 8192
 TUNE_GENERATIONS = ("v5e", "v5p", "v6e")
-TUNE_WIDTHS = (4096,)
+TUNE_WIDTHS = (1024, 4096)
 BLOCK_BYTES = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
 BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
