@@ -225,6 +225,8 @@ def _vmem_bytes(rows: int, hidden: int, dtype, *, backward: bool, residual: bool
   # Spills come from the chunks of one unrolled loop body, not from the whole block.
   chunk = min(rows, _chunk_rows(rows, hidden, dtype) * _UNROLL)
   temps = [((chunk,) + _row_shape(hidden, dtype), jnp.float32)] * (4 if backward else 3)
+  if backward and _streams(hidden, dtype, rows):  # no chunk temporaries; the rows' coefficients instead
+    temps = [((4, rows, tiling.LANES), jnp.float32)]
   return tiling.vmem_footprint(big + small, scratch=temps)
 
 
@@ -448,17 +450,22 @@ def _accumulate(acc_ref, v, wide: bool):
 # again for the outputs, so no f32 temporary of a whole row lives across the row reduction. The
 # whole-chunk form above keeps such temporaries, and the compiler spills them: on v5e (one vector
 # store slot per bundle) 2389 of the RMS backward's 2937 stores were spills. Compiler estimates,
-# RMS add-and-norm forward + backward, 8192 x 4096 bf16: v5e 287.3 -> 263.4 us, v6e 175.2 -> 163.8 us.
+# RMS add-and-norm forward + backward, 8192 x 4096 bf16, with rows re-tuned: v5e 287.3 -> 263.5 us,
+# v6e 175.2 -> 164.0 us.
 # At width 1024 the layer-norm backward was slower this way (v5e 45.0 -> 70.9 us), hence the minimum.
 STREAM_COLS = 256
 STREAM_MIN_WIDTH = 4096
 STREAM_STEPS = 512  # column-slice steps unrolled per loop (a fully unrolled 512 x 4096 block; less unrolled is slower)
 
 
+def _streams(hidden: int, dtype, rows: int) -> bool:
+  """Whether a block of ``rows x hidden`` runs as streamed column sweeps."""
+  return (hidden >= STREAM_MIN_WIDTH and hidden % STREAM_COLS == 0 and not _wide(hidden, dtype)
+          and rows % tiling.sublane_multiple(dtype) == 0)
+
+
 def _streamed(p: _Problem, rows: int) -> bool:
-  """Whether a block of ``rows`` runs as streamed column sweeps."""
-  return (p.hidden >= STREAM_MIN_WIDTH and p.hidden % STREAM_COLS == 0 and not _wide(p.hidden, p.dtype)
-          and rows % tiling.sublane_multiple(p.dtype) == 0)
+  return _streams(p.hidden, p.dtype, rows)
 
 
 def _n_coefs(p: _Problem) -> int:
