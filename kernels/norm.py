@@ -411,13 +411,12 @@ def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
   b_ref = refs.pop(0) if p.has_bias else None
   y_ref = refs.pop(0)
   h_out = refs.pop(0) if p.has_residual else None
+  if p.has_residual and _streams(p.hidden, p.dtype, rows):  # (split is 1 with a residual)
+    _forward_streamed(x_parts[0], r_parts[0], s_ref, b_ref, y_ref, h_out, p=p, rows=rows)
+    return
   axes = tuple(range(1, len(y_ref.shape)))  # the row: (H,) or (H/128, 128)
   scale = s_ref[...].astype(jnp.float32) if s_ref is not None else None
   bias = b_ref[...].astype(jnp.float32) if b_ref is not None else None
-
-  if p.has_residual and _streamed(p, rows):
-    _forward_streamed(x_parts[0], r_parts[0], s_ref, b_ref, y_ref, h_out, p=p, rows=rows)
-    return
 
   def chunk(part, start, size):
     at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
@@ -463,9 +462,6 @@ def _streams(hidden: int, dtype, rows: int) -> bool:
   return (hidden >= STREAM_MIN_WIDTH and hidden % STREAM_COLS == 0 and not _wide(hidden, dtype)
           and rows % tiling.sublane_multiple(dtype) == 0)
 
-
-def _streamed(p: _Problem, rows: int) -> bool:
-  return _streams(p.hidden, p.dtype, rows)
 
 
 def _n_coefs(p: _Problem) -> int:
@@ -763,7 +759,7 @@ def _pallas_backward(h, dy, dh, scale, *, p: _Problem, rows: int, interpret):
   out_specs = [row_block] + [partial_block] * n_sums
   out_shape = [jax.ShapeDtypeStruct(h.shape, p.dtype)] + [partial_shape] * n_sums
   wide = _wide(p.hidden, p.dtype)  # (wide rows accumulate straight into the output block)
-  if _streamed(p, rows):
+  if _streams(p.hidden, p.dtype, rows):
     kernel = functools.partial(_backward_streamed_kernel, p=p, rows=rows)
     scratch = [pltpu.VMEM((_n_coefs(p), rows, tiling.LANES), jnp.float32)]
   else:

@@ -169,7 +169,7 @@ def test_streamed_sweeps(kind, dtype, hidden, residual, with_params):
   # in blocks of 16 (the last ragged), with and without scale and bias.
   rows = 16
   p = nm._validate(kind, rand((40, hidden), dtype), None, None, None, 1e-6)
-  assert nm._streamed(p, rows)
+  assert nm._streams(p.hidden, p.dtype, rows)
   x, r = rand((40, hidden), dtype, loc=1.0), (rand((40, hidden), dtype, seed=1) if residual else None)
   scale, bias = params(kind, hidden) if with_params else (None, None)
   out = call(kind, x, scale, bias, residual=r, block_sizes=rows)
