@@ -193,6 +193,28 @@ def test_streamed_sweeps(kind, dtype, hidden, residual, with_params):
     np.testing.assert_allclose(f64(g), f64(w), rtol=tol, atol=tol * np.abs(f64(w)).max())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,residual,blocks", [
+    (jnp.bfloat16, True, (128, 128)), (jnp.float32, False, (256, 128)), (jnp.bfloat16, False, (256, 256))])
+def test_saved_statistics(kind, dtype, residual, blocks):
+  # Under jax.grad the forward saves each row's statistics (lane-dense, 128 rows a row) for the
+  # streamed backward. 200 rows: the last block is ragged, and its stale rows (NaN here) must reach
+  # neither the saved statistics the backward uses nor the column sums. (256, 128): the two passes
+  # group rows differently; no residual with 256-row blocks: the forward reads x as two DMAs.
+  ip = pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+  p = nm._validate(kind, rand((200, 4096), dtype), None, None, None, 1e-6)
+  assert nm._saves_stats(p, nm.BlockSizes(*blocks))
+  x, r = rand((200, 4096), dtype, loc=0.5), (rand((200, 4096), dtype, seed=1) if residual else None)
+  scale, bias = params(kind, 4096)
+  cts = (rand(x.shape, dtype, seed=2), rand(x.shape, dtype, seed=3))
+  got = _vjp_all(lambda *a, **k: call(*a, block_sizes=blocks, interpret=ip, **k), kind, x, r, scale, bias, cts)
+  want = _vjp_all(reference, kind, x, r, scale, bias, cts)
+  tol = GRAD_RTOL if dtype == jnp.float32 else 2e-2
+  for g, w in zip(got, want):
+    assert np.isfinite(f64(g)).all()
+    np.testing.assert_allclose(f64(g), f64(w), rtol=tol, atol=tol * np.abs(f64(w)).max())
+
+
 def test_streamed_partial_block_with_nan_in_stale_vmem():
   # The streamed backward's column sums must not see the last block's stale (NaN) rows either.
   ip = pltpu.InterpretParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
@@ -421,13 +443,12 @@ sds = jax.ShapeDtypeStruct
 bf16 = jnp.bfloat16
 
 
-def _fwd_bwd(kind, residual):
+def _fwd_bwd(kind, residual, **kw):
   """The add-and-norm forward plus backward (all four gradients), as one program."""
   def f(x, r, s, b):
     def g(x, r, s, b):
-      out = (layer_norm(x, s, b, residual=r) if kind == "layer" else rms_norm(x, s, residual=r)) if residual else \
-          (layer_norm(x, s, b) if kind == "layer" else rms_norm(x, s))
-      return out
+      res = {"residual": r} if residual else {}
+      return layer_norm(x, s, b, **res, **kw) if kind == "layer" else rms_norm(x, s, **res, **kw)
     out, vjp = jax.vjp(g, x, r, s, b)
     return vjp(out)
   return f
@@ -448,6 +469,12 @@ def test_aot_compiles_forward_and_backward(generation):
   args = (sds((64, 4096), bf16),) * 2 + (sds((4096,), jnp.float32),) * 2
   for kind in KINDS:
     comp = kernels.compile_for_tpu(_fwd_bwd(kind, True), *args, generation=generation)
+    assert comp.hlo.count("tpu_custom_call") == 2
+  # ... with the forward's saved statistics (128-row blocks, a ragged last block)
+  args = (sds((600, 4096), bf16),) * 2 + (sds((4096,), jnp.float32),) * 2
+  cases = [(kind, False) for kind in KINDS] + ([("rms", True)] if generation != "v4" else [])  # (v4: too big)
+  for kind, residual in cases:
+    comp = kernels.compile_for_tpu(_fwd_bwd(kind, residual, block_sizes=128), *args, generation=generation)
     assert comp.hlo.count("tpu_custom_call") == 2
 
 

@@ -58,10 +58,11 @@ BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
 # forward + backward programs are version 2 (they return the residual's gradient once; see _program);
-# our kernel is version 6 (chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
-# streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23).
+# our kernel is version 7 (6: chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
+# streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23);
+# version 7: the forward saves the row statistics for the streamed backward (2026-11-24).
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 6
+KERNEL_VERSION = 7
 
 
 def _version(cfg) -> int:
