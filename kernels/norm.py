@@ -25,10 +25,10 @@ padded in HBM. A partial last row block is harmless in the forward pass: Pallas
 writes back only the rows that exist.
 
 *Chunks.* Inside a block the math runs a few rows at a time (16 rows of bf16 at
-H=4096, about 64 KiB of f32), in a loop: a whole block's f32 temporaries would not fit
-the 64 vector registers, and every spilled op pays a VMEM load and store. Even one
-chunk's f32 rows (64 registers at H=4096) spill, because they live across the row
-reduction. So at widths of 4096 and more (multiples of 256) the fused add-and-norm
+H=4096, about 64 KiB of f32; 8 in the forward kernel), in a loop: a whole block's f32
+temporaries would not fit the 64 vector registers, and every spilled op pays a VMEM
+load and store. Even one chunk's f32 rows (64 registers at H=4096) spill, because they
+live across the row reduction. So at widths of 4096 and more (multiples of 256) the fused add-and-norm
 forward and every backward *stream*: one sweep reads the chunk 256 lanes at a time
 and keeps only lane-partial row sums, a second sweep re-reads the rows from the VMEM
 block for the outputs (:func:`_backward_streamed_kernel`). Re-reading VMEM costs loads
@@ -232,7 +232,7 @@ def _vmem_bytes(rows: int, hidden: int, dtype, *, backward: bool, residual: bool
            + ([(_vec_shape(hidden, dtype), jnp.float32), (_acc_shape(hidden, dtype), jnp.float32)] * params
               if backward else []))
   # Spills come from the chunks of one unrolled loop body, not from the whole block.
-  chunk = min(rows, _chunk_rows(rows, hidden, dtype) * _UNROLL)
+  chunk = min(rows, _chunk_rows(rows, hidden, dtype) * _UNROLL if backward else _FORWARD_UNROLL_ROWS)
   temps = [((chunk,) + _row_shape(hidden, dtype), jnp.float32)] * (4 if backward else 3)
   if not backward and _streams(hidden, dtype, rows):  # the saved statistics' columns (see _n_stats)
     temps.append(((2, rows, tiling.LANES), jnp.float32))
@@ -367,6 +367,14 @@ def rms_norm_reference(x, scale=None, *, eps=1e-6, residual=None):
 # compiler estimates: 207.6 us on whole blocks, 189.2 us in 16-row chunks).
 CHUNK_BYTES = 64 << 10
 _UNROLL = 8  # chunk loops longer than this run as a fori_loop unrolled this many times
+# The forward kernel's chunks may be 8 rows even in bf16 (half a packed vector register; one f32
+# register row), and its loop is unrolled over 256 rows: fewer f32 rows live across the row
+# reduction, and more chunks to interleave. No-residual forward, 8192 rows bf16 (compiler estimates):
+# width 4096: RMS v6e 47.9 -> 45.4 us, v5e 77.4 -> 75.5; layer v6e 62.7 -> 57.5, v5e 91.5 -> 85.3;
+# width 1024: layer v5e 27.5 -> 25.2, v6e 21.0 -> 16.5. The backward kernel was slower so (layer,
+# width 1024, v5e: 54.1 -> 62.0 us with a 512-row unroll) and keeps its chunks and unroll.
+_FORWARD_CHUNK_ROWS = 8
+_FORWARD_UNROLL_ROWS = 256
 # Each row input of a block is fetched as this many DMAs of rows/INPUT_SPLIT rows (the same array
 # passed that many times, with index maps split*i + j): the compiler's cost model streams one DMA at
 # well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
@@ -374,11 +382,12 @@ _UNROLL = 8  # chunk loops longer than this run as a fori_loop unrolled this man
 INPUT_SPLIT = 2
 
 
-def _chunk_rows(rows: int, hidden: int, dtype) -> int:
-  """Rows per chunk: a multiple of the dtype's sublane tile (1 for wide rows), about CHUNK_BYTES of f32."""
+def _chunk_rows(rows: int, hidden: int, dtype, least: int | None = None) -> int:
+  """Rows per chunk: a multiple of ``least`` (the dtype's sublane tile; 1 for wide rows), about
+  CHUNK_BYTES of f32."""
   if _wide(hidden, dtype):
     return 1
-  least = tiling.sublane_multiple(dtype)
+  least = least or tiling.sublane_multiple(dtype)
   c = max(least, _pow2_floor(CHUNK_BYTES / (4 * hidden)))
   return rows if c >= rows else c
 
@@ -389,19 +398,19 @@ def _split(p: _Problem, rows: int) -> int:
   return INPUT_SPLIT if rows < p.n_rows and rows % (INPUT_SPLIT * least) == 0 else 1
 
 
-def _for_each_chunk(rows: int, split: int, chunk: int, body):
+def _for_each_chunk(rows: int, split: int, chunk: int, body, unroll: int = _UNROLL):
   """Calls ``body(part, start, size)`` over each of the ``split`` parts of ``rows`` rows, in chunks
   (``start`` is within the part: an int, or a traced multiple of ``chunk``)."""
   n, rem = divmod(rows // split, chunk)
   for part in range(split):
-    if n <= _UNROLL:
+    if n <= unroll:
       for j in range(n):
         body(part, j * chunk, chunk)
     else:
       def step(j, carry, part=part):
         body(part, pl.multiple_of(j * chunk, chunk), chunk)
         return carry
-      lax.fori_loop(0, n, step, 0, unroll=_UNROLL)
+      lax.fori_loop(0, n, step, 0, unroll=unroll)
     if rem:
       body(part, n * chunk, rem)
 
@@ -449,7 +458,8 @@ def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
       y = y + bias
     y_ref[out] = y.astype(y_ref.dtype)
 
-  _for_each_chunk(rows, split, _chunk_rows(rows // split, p.hidden, p.dtype), chunk)
+  c = _chunk_rows(rows // split, p.hidden, p.dtype, _FORWARD_CHUNK_ROWS)
+  _for_each_chunk(rows, split, c, chunk, max(1, _FORWARD_UNROLL_ROWS // c))
   if cols is not None:
     _pack_row_stats(cols, stats_out, rows)
 
@@ -877,7 +887,11 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
   partial_shape = jax.ShapeDtypeStruct((nblocks,) + vec, jnp.float32)
   n_sums = int(p.has_scale) + int(p.has_bias)
   out_specs = [row_block] + [partial_block] * n_sums
-  out_shape = [jax.ShapeDtypeStruct(h.shape, p.dtype)] + [partial_shape] * n_sums
+  # dx is placed in HBM too: left free, XLA put it in VMEM when a program returns it twice (as the
+  # gradient of x and of the residual), next to the kernel's own VMEM, and then ran out of VMEM
+  # (8192 x 4096 bf16 on v5e, v5p and v6e; test_aot_compiles_benchmark_configurations).
+  out_shape = ([jax.ShapeDtypeStruct(h.shape, p.dtype) if interpret else pltpu.HBM(h.shape, p.dtype)]
+               + [partial_shape] * n_sums)
   wide = _wide(p.hidden, p.dtype)  # (wide rows accumulate straight into the output block)
   if _streams(p.hidden, p.dtype, rows):
     kernel = functools.partial(_backward_streamed_kernel, p=p, rows=rows, saved_stats=stats is not None)

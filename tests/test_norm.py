@@ -479,6 +479,23 @@ def test_aot_compiles_forward_and_backward(generation):
 
 
 @pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_compiles_benchmark_configurations(generation):
+  # The notebook's benchmark shapes (8192 rows, bf16) with the default blocks of each generation:
+  # add-and-norm forward + backward at width 4096 (streamed, with saved statistics), and the
+  # forward alone at widths 1024 and 16384.
+  vec = sds((4096,), jnp.float32)
+  for kind in KINDS:
+    comp = kernels.compile_for_tpu(_fwd_bwd(kind, True), sds((8192, 4096), bf16), sds((8192, 4096), bf16), vec, vec,
+                                   generation=generation)
+    assert comp.hlo.count("tpu_custom_call") == 2
+  for hidden in (1024, 16384):
+    comp = kernels.compile_for_tpu(lambda x, s: rms_norm(x, s), sds((8192, hidden), bf16), sds((hidden,), jnp.float32),
+                                   generation=generation)
+    assert comp.hlo.count("tpu_custom_call") == 1
+
+
+@pytest.mark.tpu_aot
 @pytest.mark.parametrize("generation", ["v4", "v6e"])
 def test_aot_very_wide_rows(generation):
   # 65536 wide, f32, with a residual: wide layout, rows per block from the VMEM budget (1 or 2 on v4).

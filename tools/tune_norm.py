@@ -60,9 +60,10 @@ BENCH_GENERATIONS = ("v5e", "v6e")
 # forward + backward programs are version 2 (they return the residual's gradient once; see _program);
 # our kernel is version 7 (6: chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
 # streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23);
-# version 7: the forward saves the row statistics for the streamed backward (2026-11-24).
+# 7: the forward saves the row statistics for the streamed backward; 8: the backward forms u once, the
+# forward computes in 8-row chunks (2026-11-23).
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 7
+KERNEL_VERSION = 8
 
 
 def _version(cfg) -> int:
