@@ -887,9 +887,9 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
   partial_shape = jax.ShapeDtypeStruct((nblocks,) + vec, jnp.float32)
   n_sums = int(p.has_scale) + int(p.has_bias)
   out_specs = [row_block] + [partial_block] * n_sums
-  # dx is placed in HBM too: left free, XLA put it in VMEM when a program returns it twice (as the
+  # dx is placed in HBM too: left free, XLA put it in VMEM when a program returned it twice (as the
   # gradient of x and of the residual), next to the kernel's own VMEM, and then ran out of VMEM
-  # (8192 x 4096 bf16 on v5e, v5p and v6e; test_aot_compiles_benchmark_configurations).
+  # (8192 x 4096 bf16 on v5e, v5p and v6e, compiled with the static cost model's flags set).
   out_shape = ([jax.ShapeDtypeStruct(h.shape, p.dtype) if interpret else pltpu.HBM(h.shape, p.dtype)]
                + [partial_shape] * n_sums)
   wide = _wide(p.hidden, p.dtype)  # (wide rows accumulate straight into the output block)
