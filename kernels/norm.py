@@ -327,6 +327,14 @@ def _add(x, residual):
   return (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
 
 
+def _add_native(x, residual):
+  """:func:`_add` in the kernels: one add in x's dtype. A correctly rounded add of two bf16 values
+  equals their f32 sum rounded to bf16 (that sum is exact, or its error is far below half a bf16
+  ulp), and v6e adds bf16 natively instead of unpacking both to f32 and packing the sum (RMS
+  add-and-norm forward, 8192 x 4096 bf16, v6e: 59.8 -> 54.4 us, compiler estimates)."""
+  return x + residual
+
+
 def _normalize(hf, kind, eps, axes=(-1,)):
   """f32 rows -> (xhat, mean, rstd): two-pass statistics over ``axes`` (the row; mean 0 for RMS)."""
   mean = jnp.mean(hf, axis=axes, keepdims=True) if kind == "layer" else 0.0
@@ -446,7 +454,7 @@ def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
     at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
     h = x_parts[part][at]
     if r_parts is not None:
-      h = _add(h, r_parts[part][at])
+      h = _add_native(h, r_parts[part][at])
       h_out[out] = h
     y, mean, rstd = _normalize(h.astype(jnp.float32), p.kind, p.eps, axes)
     if cols is not None:
@@ -579,7 +587,7 @@ def _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, stat_cols, *, p:
     load = lambda t: h_out[at, pl.ds(t * W, W)].astype(jnp.float32)  # noqa: E731
     for t in range(n_cols):
       cols = pl.ds(t * W, W)
-      h_out[at, cols] = _add(x_ref[at, cols], r_ref[at, cols])
+      h_out[at, cols] = _add_native(x_ref[at, cols], r_ref[at, cols])
     mean = _row_sum([_lane_parts(load(t)) for t in range(n_cols)]) * inv_h if p.kind == "layer" else 0.0
     centred = lambda t: load(t) - mean if p.kind == "layer" else load(t)  # noqa: E731
     rstd = lax.rsqrt(_row_sum([_lane_parts(centred(t) ** 2) for t in range(n_cols)]) * inv_h + p.eps)
