@@ -58,12 +58,12 @@ BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
 # forward + backward programs are version 2 (they return the residual's gradient once; see _program);
-# our kernel is version 8 (6: chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
+# our kernel is version 9 (6: chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
 # streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23);
 # 7: the forward saves the row statistics for the streamed backward; 8: the backward forms u once, the
-# forward computes in 8-row chunks (2026-11-23).
+# forward computes in 8-row chunks (2026-11-23); 9: the residual is added in the rows' dtype (2026-11-24).
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 8
+KERNEL_VERSION = 9
 
 
 def _version(cfg) -> int:
