@@ -339,7 +339,9 @@ def _add_native(x, residual):
   """:func:`_add` in the kernels: one add in x's dtype. A correctly rounded add of two bf16 values
   equals their f32 sum rounded to bf16 (that sum is exact, or its error is far below half a bf16
   ulp), and v6e adds bf16 natively instead of unpacking both to f32 and packing the sum (RMS
-  add-and-norm forward, 8192 x 4096 bf16, v6e: 58.9 -> 53.7 us, compiler estimates)."""
+  add-and-norm forward, 8192 x 4096 bf16, v6e: 58.9 -> 53.7 us, compiler estimates). Compiled
+  kernels only: an interpreted kernel runs as XLA on the host, which may keep a bf16 sum in f32
+  (excess precision) and normalise the unrounded value, so interpret mode uses :func:`_add`."""
   return x + residual
 
 
@@ -440,7 +442,7 @@ def _pop_rows(refs: list, split: int, present: bool = True):
   return out
 
 
-def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
+def _forward_kernel(*refs, p: _Problem, rows: int, split: int, native_add: bool):
   refs = list(refs)
   x_parts = _pop_rows(refs, split)
   r_parts = _pop_rows(refs, split, p.has_residual)
@@ -450,7 +452,8 @@ def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
   h_out = refs.pop(0) if p.has_residual else None
   stats_out, cols = (refs.pop(0), refs.pop(0)) if refs else (None, None)  # saved statistics (+ scratch)
   if p.has_residual and _streams(p.hidden, p.dtype, rows):  # (split is 1 with a residual)
-    _forward_streamed(x_parts[0], r_parts[0], s_ref, b_ref, y_ref, h_out, cols, p=p, rows=rows)
+    _forward_streamed(x_parts[0], r_parts[0], s_ref, b_ref, y_ref, h_out, cols, p=p, rows=rows,
+                      native_add=native_add)
     if cols is not None:
       _pack_row_stats(cols, stats_out, rows)
     return
@@ -462,7 +465,7 @@ def _forward_kernel(*refs, p: _Problem, rows: int, split: int):
     at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
     h = x_parts[part][at]
     if r_parts is not None:
-      h = _add_native(h, r_parts[part][at])
+      h = (_add_native if native_add else _add)(h, r_parts[part][at])
       h_out[out] = h
     y, mean, rstd = _normalize(h.astype(jnp.float32), p.kind, p.eps, axes)
     if cols is not None:
@@ -584,7 +587,8 @@ def _sweep_loop(n_chunks: int, n_cols: int, body, init):
   return lax.fori_loop(0, n_chunks, body, init, unroll=max(1, min(n_chunks, STREAM_STEPS // n_cols)))
 
 
-def _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, stat_cols, *, p: _Problem, rows: int):
+def _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, stat_cols, *, p: _Problem, rows: int,
+                      native_add: bool):
   """Fused add-and-norm forward in streamed sweeps: h = x + r is stored slice by slice, then re-read
   from the output block for the statistics and for y."""
   C, W = tiling.sublane_multiple(p.dtype), STREAM_COLS
@@ -595,7 +599,7 @@ def _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, stat_cols, *, p:
     load = lambda t: h_out[at, pl.ds(t * W, W)].astype(jnp.float32)  # noqa: E731
     for t in range(n_cols):
       cols = pl.ds(t * W, W)
-      h_out[at, cols] = _add_native(x_ref[at, cols], r_ref[at, cols])
+      h_out[at, cols] = (_add_native if native_add else _add)(x_ref[at, cols], r_ref[at, cols])
     mean = _row_sum([_lane_parts(load(t)) for t in range(n_cols)]) * inv_h if p.kind == "layer" else 0.0
     centred = lambda t: load(t) - mean if p.kind == "layer" else load(t)  # noqa: E731
     rstd = lax.rsqrt(_row_sum([_lane_parts(centred(t) ** 2) for t in range(n_cols)]) * inv_h + p.eps)
@@ -864,7 +868,8 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, sav
     out_specs.append(spec)
     out_shape.append(shape)
   call = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p, rows=rows, split=split), grid=grid, in_specs=in_specs,
+      functools.partial(_forward_kernel, p=p, rows=rows, split=split, native_add=not interpret), grid=grid,
+      in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((_n_stats(p), rows, 1), jnp.float32)] if save_stats else [],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),

@@ -193,6 +193,24 @@ def test_streamed_sweeps(kind, dtype, hidden, residual, with_params):
     np.testing.assert_allclose(f64(g), f64(w), rtol=tol, atol=tol * np.abs(f64(w)).max())
 
 
+def test_bf16_add_rounds_once():
+  """Compiled kernels add the residual in bf16 (``_add_native``), the reference in f32 then rounds
+  (``_add``). They agree if the f32 sum rounded to bf16 is the exact sum rounded to bf16 (what a
+  correctly rounded bf16 add returns): checked against float64 sums over random bf16 pairs of all
+  magnitudes and signs, ties and large exponent gaps included."""
+  rng = np.random.default_rng(0)
+  n = 200_000
+  a = (rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)).astype(jnp.bfloat16)
+  b = (rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)).astype(jnp.bfloat16)
+  b[: n // 4] = -a[: n // 4] * np.asarray(1 + 2.0 ** -rng.integers(1, 9, n // 4), np.float64).astype(jnp.bfloat16)
+  b[n // 4: n // 2] = (a[n // 4: n // 2].astype(np.float64) * 2.0 ** -8).astype(jnp.bfloat16)  # ties at a's ulp
+  m, e = np.frexp(a.astype(np.float64) + b.astype(np.float64))  # exact sums
+  exact = np.ldexp(np.rint(m * 2.0 ** 8) / 2.0 ** 8, e)  # rounded once to bf16's 8 bits, ties to even
+  # (not .astype(bfloat16): ml_dtypes converts float64 through float32, itself two roundings)
+  via_f32 = np.asarray(nm._add(jnp.asarray(a), jnp.asarray(b))).astype(np.float64)
+  np.testing.assert_array_equal(via_f32, exact)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,residual,blocks", [
     (jnp.bfloat16, True, (128, 128)), (jnp.float32, False, (256, 128)), (jnp.bfloat16, False, (256, 256))])
