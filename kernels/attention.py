@@ -162,9 +162,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 from typing import Any
 
 import jax
@@ -214,7 +212,6 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
-_TABLE_PATH = os.path.join(os.path.dirname(__file__), "data", "attention_blocks.json")
 # Used when the table lacks the generation: 1024 x 1024 forward tiles (fastest of 512/512,
 # 1024/512 and 1024/1024 in the v5e estimates of the module docstring), 512 x 512 backward;
 # v4's 16 MiB of VMEM takes 512 x 512 tiles throughout.
@@ -222,21 +219,12 @@ _FALLBACK = BlockSizes(1024, 1024, 512, 512)
 _FALLBACK_SMALL_VMEM = BlockSizes(512, 512, 512, 512)
 
 
-@functools.cache
-def _block_table() -> dict:
-  try:
-    with open(_TABLE_PATH, encoding="utf-8") as fh:
-      return json.load(fh).get("defaults", {})
-  except FileNotFoundError:
-    return {}
-
-
 def default_block_sizes(generation=None, dtype=jnp.bfloat16, head_dim: int = 128) -> BlockSizes:
   """The shipped defaults for ``generation`` (None: v5e), from ``kernels/data/attention_blocks.json``."""
   gen = generation or "v5e"
-  entry = _block_table().get(gen, {}).get(jnp.dtype(dtype).name)
+  entry = tiling.block_table("attention").get(gen, {}).get(jnp.dtype(dtype).name)
   if entry is None:
-    entry = _block_table().get(gen, {}).get("bfloat16")
+    entry = tiling.block_table("attention").get(gen, {}).get("bfloat16")
   if not entry:
     entry = dataclasses.asdict(_FALLBACK_SMALL_VMEM if gen == "v4" else _FALLBACK)
   fields = {f.name for f in dataclasses.fields(BlockSizes)}

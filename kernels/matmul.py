@@ -166,9 +166,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 from typing import Any
 
 import jax
@@ -224,18 +222,8 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
-_TABLE_PATH = os.path.join(os.path.dirname(__file__), "data", "matmul_blocks.json")
 # Used when the table is missing or lacks an entry: the JAX Pallas guide's bf16 choice.
 _FALLBACK = BlockSizes(512, 1024, 1024)
-
-
-@functools.cache
-def _block_table() -> dict:
-  try:
-    with open(_TABLE_PATH, encoding="utf-8") as fh:
-      return json.load(fh).get("defaults", {})
-  except FileNotFoundError:
-    return {}
 
 
 def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: int = 4096,
@@ -249,7 +237,7 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   get blocks tuned for their kind.
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
-  per_gen = _block_table().get(gen, {})
+  per_gen = tiling.block_table("matmul").get(gen, {})
   name = jnp.dtype(dtype).name
   # fp8 has no table of its own: one-byte operands tile like int8.
   entries = (per_gen.get(name) or (per_gen.get("int8") if name.startswith("float8") else None)

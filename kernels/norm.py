@@ -119,9 +119,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -161,19 +159,9 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
-_TABLE_PATH = os.path.join(os.path.dirname(__file__), "data", "norm_blocks.json")
 # Without a table entry: blocks of ~2 MiB of input (forward) and ~1 MiB (backward). (Compiler
 # estimates, v5e, 8192 x 4096 bf16 layer norm forward: 1 MiB blocks 121.6 us, 2 MiB 110.4 us, 4 MiB 109.3 us.)
 _FALLBACK_BYTES = (2 << 20, 1 << 20)
-
-
-@functools.cache
-def _block_table() -> dict:
-  try:
-    with open(_TABLE_PATH, encoding="utf-8") as fh:
-      return json.load(fh).get("defaults", {})
-  except FileNotFoundError:
-    return {}
 
 
 def _pow2_floor(n: float) -> int:
@@ -192,7 +180,7 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, hidden: int = 4096,
   them to fit VMEM.
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
-  entries = _block_table().get(gen, {}).get(jnp.dtype(dtype).name, [])
+  entries = tiling.block_table("norm").get(gen, {}).get(jnp.dtype(dtype).name, [])
   entries = ([e for e in entries if e.get("kind", kind) == kind and e.get("residual", residual) == residual]
              or entries)
   if not entries:

@@ -8,7 +8,10 @@ block free of relayouts.
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 from typing import Iterable, Sequence
 
 import jax.numpy as jnp
@@ -18,6 +21,22 @@ from kernels.hardware import MiB, get_chip
 
 LANES = 128
 SUBLANES = 8
+
+
+DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
+
+
+@functools.cache
+def block_table(kernel: str) -> dict:
+  """The ``defaults`` of ``kernels/data/<kernel>_blocks.json`` (per generation, then dtype), or {} without one.
+
+  The tables are written by ``tools/tune_<kernel>.py``; call ``block_table.cache_clear()`` after rewriting one.
+  """
+  try:
+    with open(os.path.join(DATA_DIR, f"{kernel}_blocks.json"), encoding="utf-8") as fh:
+      return json.load(fh).get("defaults", {})
+  except FileNotFoundError:
+    return {}
 
 
 def cdiv(a: int, b: int) -> int:

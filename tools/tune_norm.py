@@ -45,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 nm = importlib.import_module("kernels.norm")
+tiling = importlib.import_module("kernels.tiling")
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BLOCKS_OUT = os.path.join(DATA, "norm_blocks.json")
@@ -160,7 +161,7 @@ def estimate_isolated(cfg) -> dict:
 
 def default_rows(cfg) -> dict:
   """The rows per block :func:`kernels.norm.layer_norm` picks by default for ``cfg`` on its generation."""
-  nm._block_table.cache_clear()
+  tiling.block_table.cache_clear()
   d = nm.default_block_sizes(cfg["generation"], cfg["dtype"], cfg["hidden"], cfg["kind"], cfg["residual"])
   f = nm.fit_block_sizes(d, ROWS, cfg["hidden"], cfg["dtype"], residual=cfg["residual"],
                          params=2 if cfg["kind"] == "layer" else 1, chip=cfg["generation"])
