@@ -222,9 +222,10 @@ _FALLBACK_SMALL_VMEM = BlockSizes(512, 512, 512, 512)
 def default_block_sizes(generation=None, dtype=jnp.bfloat16, head_dim: int = 128) -> BlockSizes:
   """The shipped defaults for ``generation`` (None: v5e), from ``kernels/data/attention_blocks.json``."""
   gen = generation or "v5e"
-  entry = tiling.block_table("attention").get(gen, {}).get(jnp.dtype(dtype).name)
+  per_gen = tiling.block_table("attention").get(gen, {})
+  entry = per_gen.get(jnp.dtype(dtype).name)
   if entry is None:
-    entry = tiling.block_table("attention").get(gen, {}).get("bfloat16")
+    entry = per_gen.get("bfloat16")
   if not entry:
     entry = dataclasses.asdict(_FALLBACK_SMALL_VMEM if gen == "v4" else _FALLBACK)
   fields = {f.name for f in dataclasses.fields(BlockSizes)}
