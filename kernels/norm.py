@@ -127,7 +127,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import tiling
+from kernels import pipeline, tiling
 from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, check
 from kernels.hardware import get_chip
@@ -386,6 +386,10 @@ _FORWARD_UNROLL_ROWS = 256
 # well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
 # v6e, compiler estimates). Outputs stay one DMA each (an output array has one BlockSpec).
 INPUT_SPLIT = 2
+# Each row output (y, h, dx) is written back by the kernel itself, as this many DMAs a block,
+# while the next block is computed (see kernels.pipeline).
+OUTPUT_SPLIT = 4
+BACKWARD_HBM = True
 
 
 def _chunk_rows(rows: int, hidden: int, dtype, least: int | None = None) -> int:
@@ -430,7 +434,7 @@ def _pop_rows(refs: list, split: int, present: bool = True):
   return out
 
 
-def _forward_kernel(*refs, p: _Problem, rows: int, split: int, native_add: bool):
+def _forward_kernel(*refs, p: _Problem, rows: int, split: int, native_add: bool, block=None):
   refs = list(refs)
   x_parts = _pop_rows(refs, split)
   r_parts = _pop_rows(refs, split, p.has_residual)
@@ -607,7 +611,7 @@ def _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, stat_cols, *, p:
   lax.fori_loop(0, rows // C, chunk, 0, unroll=min(rows // C, _UNROLL))  # (fully unrolled is slower here)
 
 
-def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool):
+def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool, block):
   """The backward in streamed sweeps over the block. (1) Each row's statistics: the forward's, or
   one sweep here. (2) Column slice by column slice down the block: the part of dx that needs no row
   sum, ``u * scale [+ dh]`` with ``u = dy * rstd``, into an f32 VMEM scratch; the row sums that ``k``
@@ -632,7 +636,7 @@ def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool):
   C, W = tiling.sublane_multiple(p.dtype), STREAM_COLS
   n_cols, n_chunks, inv_h, f32 = p.hidden // W, rows // C, 1.0 / p.hidden, jnp.float32
   ragged = p.n_rows % rows != 0  # the last block's out-of-range rows hold stale VMEM (maybe NaN)
-  block_start = pl.program_id(0) * rows if ragged else None
+  block_start = block * rows if ragged else None
 
   def load(ref, at, t):
     return ref[at, pl.ds(t * W, W)].astype(f32)
@@ -710,7 +714,7 @@ def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool):
   _sweep_loop(n_chunks, n_cols, finish, 0)
 
 
-def _backward_kernel(*refs, p: _Problem, rows: int, split: int):
+def _backward_kernel(*refs, p: _Problem, rows: int, split: int, block):
   refs = list(refs)
   h_parts, dy_parts = _pop_rows(refs, split), _pop_rows(refs, split)
   dh_parts = _pop_rows(refs, split, p.has_residual)
@@ -727,7 +731,7 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int):
     ref[...] = jnp.zeros(ref.shape, ref.dtype)
   ragged = p.n_rows % rows != 0  # the last block's out-of-range rows hold stale VMEM (maybe NaN)
   # (read here, not in the chunk loop: interpret mode cannot lower program_id inside a fori_loop)
-  block_start = pl.program_id(0) * rows if ragged else None
+  block_start = block * rows if ragged else None
 
   def chunk(part, start, size):
     at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
@@ -765,15 +769,20 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int):
       out[...] = jnp.sum(acc[...], axis=0, keepdims=True)
 
 
+def _cores(chip) -> int:
+  """TensorCores that share a kernel's grid: two on megacore chips (v4, v5p), else one."""
+  return chip.tensorcores if chip is not None else 1
+
+
 def _rows_plan(p: _Problem, rows: int, backward: bool):
-  """Checks a row count against the tiling rule and VMEM; returns (grid, vmem_limit)."""
+  """Checks a row count against the tiling rule and VMEM; returns (RowBlocks, vmem_limit)."""
   row = _row_shape(p.hidden, p.dtype)
   tiling.check_block_shape("block_sizes", (rows,) + row, (p.n_rows,) + row)
   chip = target_chip()
   params = int(p.has_scale) + int(p.has_bias)
   footprint = _vmem_bytes(rows, p.hidden, p.dtype, backward=backward, residual=p.has_residual, params=params)
   limit = tiling.vmem_limit(footprint, chip or "v5e", argument="block_sizes", value=rows)
-  return (tiling.cdiv(p.n_rows, rows),), limit
+  return pipeline.RowBlocks(p.n_rows, rows, _cores(chip)), limit
 
 
 def _plan(p: _Problem, blocks: BlockSizes) -> BlockSizes:
@@ -798,23 +807,27 @@ def _bytes(p: _Problem, backward: bool) -> int:
   return n * (4 if p.has_residual else 2)
 
 
-def _specs(p: _Problem, rows: int):
-  """BlockSpecs of a row block and of a whole ``[H]`` parameter."""
-  row = _row_shape(p.hidden, p.dtype)
-  zeros = (0,) * len(row)
-  return (pl.BlockSpec((rows,) + row, lambda i: (i,) + zeros),
-          pl.BlockSpec(_vec_shape(p.hidden, p.dtype), lambda i: (0, 0)))
+def _vec_spec(p: _Problem):
+  """The BlockSpec of a whole ``[H]`` parameter."""
+  return pl.BlockSpec(_vec_shape(p.hidden, p.dtype), lambda c, j: (0, 0))
 
 
-def _row_in_specs(p: _Problem, rows: int, split: int):
-  """The ``split`` BlockSpecs a row input is read with: part j of block i is sub-block
-  ``split * i + j`` of ``rows / split`` rows, clamped to the last sub-block (a ragged last block's
+def _row_in_specs(p: _Problem, blocks: pipeline.RowBlocks, split: int):
+  """The ``split`` BlockSpecs a row input is read with: part j of block b is sub-block
+  ``split * b + j`` of ``rows / split`` rows, clamped to the last sub-block (a ragged last block's
   missing parts re-read it; those rows are out of range and never used)."""
   row = _row_shape(p.hidden, p.dtype)
-  zeros, sub = (0,) * len(row), rows // split
+  zeros, sub = (0,) * len(row), blocks.rows // split
   last = tiling.cdiv(p.n_rows, sub) - 1
-  return [pl.BlockSpec((sub,) + row, lambda i, j=j: (jnp.minimum(split * i + j, last),) + zeros)
+  return [blocks.spec((sub,) + row, lambda b, j=j: (jnp.minimum(split * b + j, last),) + zeros)
           for j in range(split)]
+
+
+def _row_outputs(p: _Problem, blocks: pipeline.RowBlocks, n: int, hbm: bool) -> pipeline.Outputs:
+  """``n`` row outputs (y [and h], or dx) that the kernel writes back itself, OUTPUT_SPLIT DMAs a block."""
+  row = _row_shape(p.hidden, p.dtype)
+  return pipeline.Outputs(blocks, [(row, p.dtype)] * n, pipeline.split_for(blocks.rows, row, p.dtype, OUTPUT_SPLIT),
+                          hbm=hbm)
 
 
 def _in_hbm(a, interpret):
@@ -829,18 +842,17 @@ def _in_hbm(a, interpret):
   return a if interpret else pltpu.with_memory_space_constraint(a, pltpu.HBM)
 
 
-def _stats_spec(p: _Problem, rows: int):
-  """The saved statistics of a block of ``rows`` rows (a multiple of 128): see _n_stats."""
-  return (pl.BlockSpec((rows // tiling.LANES, _n_stats(p), tiling.LANES), lambda i: (i, 0, 0)),
+def _stats_spec(p: _Problem, blocks: pipeline.RowBlocks):
+  """The saved statistics of a block of rows (a multiple of 128): see _n_stats."""
+  return (blocks.spec((blocks.rows // tiling.LANES, _n_stats(p), tiling.LANES)),
           jax.ShapeDtypeStruct((tiling.cdiv(p.n_rows, tiling.LANES), _n_stats(p), tiling.LANES), jnp.float32))
 
 
 def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, save_stats: bool = False):
   """(y, h or None, the rows' statistics or None)."""
-  grid, limit = _rows_plan(p, rows, backward=False)
-  row_block, vec_block = _specs(p, rows)
+  blocks, limit = _rows_plan(p, rows, backward=False)
   split = 1 if p.has_residual else _split(p, rows)  # (x and r are already two DMAs)
-  row_in = _row_in_specs(p, rows, split)
+  row_in = _row_in_specs(p, blocks, split)
   args, in_specs = [x] * split, list(row_in)
   if p.has_residual:
     args += [r] * split
@@ -848,19 +860,20 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, sav
   for v in (scale, bias):
     if v is not None:
       args.append(v.reshape(_vec_shape(p.hidden, p.dtype)))
-      in_specs.append(vec_block)
-  out_shape = [jax.ShapeDtypeStruct(x.shape, p.dtype)] * (2 if p.has_residual else 1)
-  out_specs = [row_block] * len(out_shape)
+      in_specs.append(_vec_spec(p))
+  outs = _row_outputs(p, blocks, 2 if p.has_residual else 1, hbm=False)  # y [, h]
+  out_shape, out_specs, scratch = outs.out_shape(), outs.out_specs(), []
   if save_stats:
-    spec, shape = _stats_spec(p, rows)
+    spec, shape = _stats_spec(p, blocks)
     out_specs.append(spec)
     out_shape.append(shape)
+    scratch.append(pltpu.VMEM((_n_stats(p), rows, 1), jnp.float32))
+  kernel = functools.partial(_forward_kernel, p=p, rows=rows, split=split, native_add=not interpret)
   call = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p, rows=rows, split=split, native_add=not interpret), grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((_n_stats(p), rows, 1), jnp.float32)] if save_stats else [],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
+      outs.kernel(kernel, len(args)), grid=blocks.grid, in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch + outs.scratch_shapes(),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=blocks.dimension_semantics,
+                                           vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=8 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, False)),
       interpret=interpret, name=f"{p.kind}_norm")
@@ -874,12 +887,10 @@ def _column_sum(partials, p: _Problem):
 
 
 def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpret):
-  grid, limit = _rows_plan(p, rows, backward=True)
-  nblocks = grid[0]
-  row_block, vec_block = _specs(p, rows)
+  blocks, limit = _rows_plan(p, rows, backward=True)
   vec = _vec_shape(p.hidden, p.dtype)
   split = 1  # (split input DMAs make this VPU-bound kernel slower in the cost model: 184 -> 230 us on v5e)
-  row_in = _row_in_specs(p, rows, split)
+  row_in = _row_in_specs(p, blocks, split)
   h, dy = _in_hbm(h, interpret), _in_hbm(dy, interpret)
   args, in_specs = [h] * split + [dy] * split, row_in * 2
   if p.has_residual:
@@ -887,20 +898,18 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
     in_specs += row_in
   if p.has_scale:
     args.append(scale.reshape(vec))
-    in_specs.append(vec_block)
+    in_specs.append(_vec_spec(p))
   if stats is not None:
     args.append(stats)
-    in_specs.append(_stats_spec(p, rows)[0])
-  # One f32 partial column sum per grid step: no two steps (or cores) write the same block.
-  partial_block = pl.BlockSpec((None,) + vec, lambda i: (i, 0, 0))
-  partial_shape = jax.ShapeDtypeStruct((nblocks,) + vec, jnp.float32)
+    in_specs.append(_stats_spec(p, blocks)[0])
+  # dx, written back by the kernel, in HBM: left free, XLA put it in VMEM when a program returned it
+  # twice (as the gradient of x and of the residual), next to the kernel's own VMEM, and then ran out
+  # of VMEM (8192 x 4096 bf16 on v5e, v5p and v6e, compiled with the static cost model's flags set).
+  outs = _row_outputs(p, blocks, 1, hbm=BACKWARD_HBM and not interpret)
+  # One f32 partial column sum per block: no two steps (or cores) write the same block.
   n_sums = int(p.has_scale) + int(p.has_bias)
-  out_specs = [row_block] + [partial_block] * n_sums
-  # dx is placed in HBM too: left free, XLA put it in VMEM when a program returned it twice (as the
-  # gradient of x and of the residual), next to the kernel's own VMEM, and then ran out of VMEM
-  # (8192 x 4096 bf16 on v5e, v5p and v6e, compiled with the static cost model's flags set).
-  out_shape = ([jax.ShapeDtypeStruct(h.shape, p.dtype) if interpret else pltpu.HBM(h.shape, p.dtype)]
-               + [partial_shape] * n_sums)
+  out_specs = outs.out_specs() + [blocks.spec((None,) + vec)] * n_sums
+  out_shape = outs.out_shape() + [jax.ShapeDtypeStruct((blocks.n_blocks,) + vec, jnp.float32)] * n_sums
   wide = _wide(p.hidden, p.dtype)  # (wide rows accumulate straight into the output block)
   if _streams(p.hidden, p.dtype, rows):
     kernel = functools.partial(_backward_streamed_kernel, p=p, rows=rows, saved_stats=stats is not None)
@@ -912,9 +921,10 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
     kernel = functools.partial(_backward_kernel, p=p, rows=rows, split=split)
     scratch = [] if wide else [pltpu.VMEM(_acc_shape(p.hidden, p.dtype), jnp.float32)] * n_sums
   call = pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
+      outs.kernel(kernel, len(args)), grid=blocks.grid, in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch + outs.scratch_shapes(),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=blocks.dimension_semantics,
+                                           vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, True)),
       interpret=interpret, name=f"{p.kind}_norm_backward")

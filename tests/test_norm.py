@@ -296,6 +296,33 @@ def test_no_races_in_the_pipeline():
   assert ipc.races is not None and not ipc.races.races_found
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n_rows,rows,hidden", [(88, 16, 256), (80, 16, 4096), (44, 8, 384)])
+def test_two_core_grid_writes_every_block_once(kind, n_rows, rows, hidden, monkeypatch):
+  # As on megacore chips (v4, v5p): the grid is (2 cores, steps) and each core writes its blocks back
+  # itself. 88 rows in blocks of 16: 6 blocks, 3 a core, the last ragged (8 rows); 80 rows: 5
+  # blocks, so the second core's last step is idle; 44 rows of 8, f32: a last block of 4 rows. Forward
+  # (two output DMAs with the residual) and backward, with race detection on.
+  monkeypatch.setattr(nm, "_cores", lambda chip: 2)
+  dtype = jnp.float32 if rows == 8 else jnp.bfloat16
+  blocks = nm.pipeline.RowBlocks(n_rows, rows, 2)
+  assert blocks.grid == (2, 3) and blocks.has_idle_step == (n_rows == 80)
+  x, r = rand((n_rows, hidden), dtype, loc=0.5), rand((n_rows, hidden), dtype, seed=1)
+  scale, bias = params(kind, hidden)
+  ip = pltpu.InterpretParams(detect_races=True)
+  y, h = call(kind, x, scale, bias, residual=r, block_sizes=rows, interpret=ip)
+  want, want_h = oracle(kind, x, scale, bias, residual=r)
+  assert_close(y, want, dtype)
+  np.testing.assert_array_equal(f64(h), want_h)
+  cts = (rand(x.shape, dtype, seed=2), rand(x.shape, dtype, seed=3))
+  got = _vjp_all(lambda *a, **k: call(*a, block_sizes=rows, interpret=ip, **k), kind, x, r, scale, bias, cts)
+  ref = _vjp_all(reference, kind, x, r, scale, bias, cts)
+  for g, w in zip(got, ref):
+    np.testing.assert_allclose(f64(g), f64(w), rtol=2 ** -6, atol=2e-2 * np.abs(f64(w)).max())
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+  assert ipc.races is not None and not ipc.races.races_found
+
+
 @settings(max_examples=10, deadline=None)
 @given(rows=st.integers(1, 70), hidden=st.integers(1, 300), kind=st.sampled_from(KINDS), bf16=st.booleans(),
        residual=st.booleans(), block=st.sampled_from([8, 16, 32, None]), loc=st.sampled_from([0.0, 3.0, -100.0]))
@@ -482,6 +509,10 @@ def test_aot_compiles_forward_and_backward(generation):
   # RMS norm, f32, no residual, a single row
   args = (sds((1, 4096), jnp.float32),) * 2 + (sds((4096,), jnp.float32),) * 2
   comp = kernels.compile_for_tpu(_fwd_bwd("rms", False), *args, generation=generation)
+  assert comp.hlo.count("tpu_custom_call") == 2
+  # 7 blocks of 16 rows, the last of 4: on two cores (v4, v5p) an idle step, and a write-back of 4 rows
+  args = (sds((100, 256), bf16),) * 2 + (sds((256,), jnp.float32),) * 2
+  comp = kernels.compile_for_tpu(_fwd_bwd("layer", True, block_sizes=16), *args, generation=generation)
   assert comp.hlo.count("tpu_custom_call") == 2
   # the streamed sweeps (width 4096, 64 rows in one block), RMS and layer, with the residual
   args = (sds((64, 4096), bf16),) * 2 + (sds((4096,), jnp.float32),) * 2
