@@ -17,12 +17,12 @@ move each byte once and to keep the DMA engines busy.
 
 *Tiling.* Rows are independent. The input ``[R, H]`` (leading dimensions flattened,
 a free reshape) is cut into blocks of ``rows x H``: the whole row is in VMEM, so the
-statistics need no second pass over HBM. The grid is ``(cdiv(R, rows),)``, one
-"parallel" axis (on v4 and v5p the two TensorCores of a megacore take half the
-blocks each). A width that is not a multiple of 128 (1000, 5120 is fine, 4000) is
-the block's whole last dimension, which Mosaic's tiling rule allows; nothing is
-padded in HBM. A partial last row block is harmless in the forward pass: Pallas
-writes back only the rows that exist.
+statistics need no second pass over HBM. The grid is ``(cores, steps)``
+(:class:`kernels.pipeline.RowBlocks`): on v4 and v5p the two TensorCores of a megacore
+each take a contiguous half of the blocks. A width that is not a multiple of 128
+(1000, 5120 is fine, 4000) is the block's whole last dimension, which Mosaic's tiling
+rule allows; nothing is padded in HBM. A partial last row block is harmless in the
+forward pass: only the rows that exist are written back.
 
 *Chunks.* Inside a block the math runs a few rows at a time (16 rows of bf16 at
 H=4096, about 64 KiB of f32; 8 in the forward kernel), in a loop: a whole block's f32
@@ -34,12 +34,18 @@ and keeps only lane-partial row sums, a second sweep re-reads the rows from the 
 block for the outputs (:func:`_backward_streamed_kernel`). Re-reading VMEM costs loads
 and unpacks; spilling cost stores, and v5e issues one vector store per cycle.
 
-*DMAs.* The forward kernel with a single row input (no residual) reads each block as
-two DMAs of half the rows (the same array passed twice, with index maps ``2i`` and
-``2i + 1``). In the compiler's cost model one DMA streams well below the model's HBM
-bandwidth, and two in flight go faster (a plain copy at 8192 x 4096 bf16: 79 -> 64 us
-on v5e, 42 -> 35 us on v6e). Kernels that already read two or more arrays gain nothing
-from it, and the backward kernel, which is bound by vector work in the model, loses.
+*DMAs.* In the compiler's cost model one DMA streams well below the model's HBM
+bandwidth, and several in flight go faster. So the forward kernel with a single row
+input (no residual) reads each block as two DMAs of half the rows (the same array
+passed twice, with index maps ``2b`` and ``2b + 1``: a plain copy at 8192 x 4096 bf16,
+79 -> 64 us on v5e, 42 -> 35 us on v6e). Kernels that already read two or more arrays
+gain nothing from that, and the backward kernel, which is bound by vector work in the
+model, loses. And every kernel writes its row outputs (``y``, ``h``, ``dx``) back
+itself (:mod:`kernels.pipeline`): block ``b`` goes out as several DMAs, started at the
+next step and overlapped with its compute, instead of Pallas's one DMA per block. In
+the model that hides the forward's vector work behind its DMAs (RMS forward, 8192 x
+4096 bf16, with the old rows per block: v6e 45.4 -> 35.6 us, v5e 75.5 -> 56.9 us;
+XLA's fusions: 42.8 and 184.9 us). The number of DMAs is tuned with the rows.
 
 *Rows per block.* Big enough that the ~0.35 us fixed cost of a grid step is small
 against its DMA, small enough to double-buffer in VMEM. The defaults come from
@@ -146,14 +152,18 @@ KINDS = ("layer", "rms")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Rows per grid step of the forward and of the backward kernel (each block is ``rows x H``).
+  """Rows per grid step of the forward and of the backward kernel (each block is ``rows x H``),
+  and the DMAs each forward output block is written back with.
 
   ``None`` picks the per-generation default. A value at least the number of rows
   becomes all the rows; otherwise it must be a multiple of 8 (Mosaic's sublane rule).
+  ``output_dmas`` is a power of two; it is lowered until each DMA's rows keep whole
+  VMEM tiles (:func:`kernels.pipeline.split_for`).
   """
 
   rows: int | None = None
   backward_rows: int | None = None
+  output_dmas: int | None = None
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -185,10 +195,11 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, hidden: int = 4096,
              or entries)
   if not entries:
     isz = jnp.dtype(dtype).itemsize
-    return BlockSizes(*(_pow2_floor(b / (hidden * isz)) for b in _FALLBACK_BYTES))
+    return BlockSizes(*(_pow2_floor(b / (hidden * isz)) for b in _FALLBACK_BYTES), OUTPUT_DMAS)
   best = min(entries, key=lambda e: abs(math.log2(hidden / e["hidden"])))
   scale = best["hidden"] / hidden
-  return BlockSizes(_pow2_floor(best["rows"] * scale), _pow2_floor(best["backward_rows"] * scale))
+  return BlockSizes(_pow2_floor(best["rows"] * scale), _pow2_floor(best["backward_rows"] * scale),
+                    best.get("output_dmas", OUTPUT_DMAS))
 
 
 # A row of at least this many bytes (and a multiple of 128 wide) is laid out as (H/128, 128) tiles:
@@ -254,7 +265,7 @@ def fit_block_sizes(blocks: BlockSizes, n_rows: int, hidden: int, dtype=jnp.bflo
                                           residual=residual, params=params) + (1 << 20) > c.vmem_bytes:
       rows //= 2
     out.append(n_rows if rows >= n_rows else rows)
-  return BlockSizes(*out)
+  return BlockSizes(*out, blocks.output_dmas)
 
 
 # ---------------------------------------------------------------------------------
@@ -308,9 +319,10 @@ def _check_blocks(block_sizes):
     return BlockSizes(block_sizes, block_sizes)
   if isinstance(block_sizes, BlockSizes):
     return block_sizes
-  if isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2:
+  if isinstance(block_sizes, (tuple, list)) and len(block_sizes) in (2, 3):
     return BlockSizes(*block_sizes)
-  raise KernelError("block_sizes", block_sizes, "must be None, an int, a BlockSizes or a (rows, backward_rows) tuple")
+  raise KernelError("block_sizes", block_sizes,
+                    "must be None, an int, a BlockSizes or a (rows, backward_rows[, output_dmas]) tuple")
 
 
 # ---------------------------------------------------------------------------------
@@ -386,10 +398,12 @@ _FORWARD_UNROLL_ROWS = 256
 # well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
 # v6e, compiler estimates). Outputs stay one DMA each (an output array has one BlockSpec).
 INPUT_SPLIT = 2
-# Each row output (y, h, dx) is written back by the kernel itself, as this many DMAs a block,
-# while the next block is computed (see kernels.pipeline).
-OUTPUT_SPLIT = 4
-BACKWARD_HBM = True
+# Each row output (y, h, dx) is written back by the kernel itself, as several DMAs a block, while
+# the next block is computed (see kernels.pipeline). The forward's count is tuned per generation
+# (BlockSizes.output_dmas; this is the default without a table entry); the backward, bound by vector
+# work in the cost model, is not sensitive to it (RMS add-and-norm backward, 8192 x 4096 bf16, 2, 4
+# or 8 DMAs: 94.3-94.6 us on v6e, 146.8-147.6 us on v5e, compiler estimates) and uses this.
+OUTPUT_DMAS = 4
 
 
 def _chunk_rows(rows: int, hidden: int, dtype, least: int | None = None) -> int:
@@ -788,16 +802,19 @@ def _rows_plan(p: _Problem, rows: int, backward: bool):
 def _plan(p: _Problem, blocks: BlockSizes) -> BlockSizes:
   """Rows per block of each pass: explicit rows as given (all rows if they cover them), else the
   per-generation default fitted to VMEM."""
-  for name in ("rows", "backward_rows"):
+  for name in ("rows", "backward_rows", "output_dmas"):
     v = getattr(blocks, name)
     check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "block_sizes", blocks,
           f"{name} must be a positive int or None")
+  check(blocks.output_dmas is None or blocks.output_dmas & (blocks.output_dmas - 1) == 0, "block_sizes", blocks,
+        "output_dmas must be a power of two")
   chip = target_chip()
   default = default_block_sizes(chip.name if chip else None, p.dtype, p.hidden, p.kind, p.has_residual)
   fitted = fit_block_sizes(default, p.n_rows, p.hidden, p.dtype, residual=p.has_residual,
                            params=int(p.has_scale) + int(p.has_bias), chip=chip)
   return BlockSizes(min(blocks.rows, p.n_rows) if blocks.rows else fitted.rows,
-                    min(blocks.backward_rows, p.n_rows) if blocks.backward_rows else fitted.backward_rows)
+                    min(blocks.backward_rows, p.n_rows) if blocks.backward_rows else fitted.backward_rows,
+                    blocks.output_dmas or fitted.output_dmas)
 
 
 def _bytes(p: _Problem, backward: bool) -> int:
@@ -823,11 +840,10 @@ def _row_in_specs(p: _Problem, blocks: pipeline.RowBlocks, split: int):
           for j in range(split)]
 
 
-def _row_outputs(p: _Problem, blocks: pipeline.RowBlocks, n: int, hbm: bool) -> pipeline.Outputs:
-  """``n`` row outputs (y [and h], or dx) that the kernel writes back itself, OUTPUT_SPLIT DMAs a block."""
+def _row_outputs(p: _Problem, blocks: pipeline.RowBlocks, n: int, dmas: int, hbm: bool) -> pipeline.Outputs:
+  """``n`` row outputs (y [and h], or dx) that the kernel writes back itself, ``dmas`` DMAs a block."""
   row = _row_shape(p.hidden, p.dtype)
-  return pipeline.Outputs(blocks, [(row, p.dtype)] * n, pipeline.split_for(blocks.rows, row, p.dtype, OUTPUT_SPLIT),
-                          hbm=hbm)
+  return pipeline.Outputs(blocks, [(row, p.dtype)] * n, pipeline.split_for(blocks.rows, row, p.dtype, dmas), hbm=hbm)
 
 
 def _in_hbm(a, interpret):
@@ -848,7 +864,7 @@ def _stats_spec(p: _Problem, blocks: pipeline.RowBlocks):
           jax.ShapeDtypeStruct((tiling.cdiv(p.n_rows, tiling.LANES), _n_stats(p), tiling.LANES), jnp.float32))
 
 
-def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, save_stats: bool = False):
+def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, dmas: int, interpret, save_stats: bool = False):
   """(y, h or None, the rows' statistics or None)."""
   blocks, limit = _rows_plan(p, rows, backward=False)
   split = 1 if p.has_residual else _split(p, rows)  # (x and r are already two DMAs)
@@ -861,7 +877,8 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, sav
     if v is not None:
       args.append(v.reshape(_vec_shape(p.hidden, p.dtype)))
       in_specs.append(_vec_spec(p))
-  outs = _row_outputs(p, blocks, 2 if p.has_residual else 1, hbm=False)  # y [, h]
+  # y [, h]: left where XLA puts them (placed in HBM, the program copied y out: +19.8 us at 8192 x 4096 on v6e)
+  outs = _row_outputs(p, blocks, 2 if p.has_residual else 1, dmas, hbm=False)
   out_shape, out_specs, scratch = outs.out_shape(), outs.out_specs(), []
   if save_stats:
     spec, shape = _stats_spec(p, blocks)
@@ -905,7 +922,7 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
   # dx, written back by the kernel, in HBM: left free, XLA put it in VMEM when a program returned it
   # twice (as the gradient of x and of the residual), next to the kernel's own VMEM, and then ran out
   # of VMEM (8192 x 4096 bf16 on v5e, v5p and v6e, compiled with the static cost model's flags set).
-  outs = _row_outputs(p, blocks, 1, hbm=BACKWARD_HBM and not interpret)
+  outs = _row_outputs(p, blocks, 1, OUTPUT_DMAS, hbm=not interpret)
   # One f32 partial column sum per block: no two steps (or cores) write the same block.
   n_sums = int(p.has_scale) + int(p.has_bias)
   out_specs = outs.out_specs() + [blocks.spec((None,) + vec)] * n_sums
@@ -942,11 +959,12 @@ def _pallas_path(x, r, scale, bias, *, p: _Problem, blocks: BlockSizes, interpre
 
   @jax.custom_vjp
   def f(x, r, scale, bias):
-    y, h, _ = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, interpret=interpret)
+    y, h, _ = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, dmas=plan.output_dmas, interpret=interpret)
     return y if h is None else (y, h)
 
   def f_fwd(x, r, scale, bias):
-    y, h, stats = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, interpret=interpret, save_stats=save)
+    y, h, stats = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, dmas=plan.output_dmas, interpret=interpret,
+                                    save_stats=save)
     return (y if h is None else (y, h)), (x if h is None else h, scale, bias, stats)
 
   def f_bwd(res, ct):

@@ -297,6 +297,19 @@ def test_no_races_in_the_pipeline():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_output_dmas_do_not_change_results(kind):
+  # Each forward output block written back as 1, 2 or 4 DMAs (of 32, 16 or 16 rows: bf16 keeps whole
+  # 16-row tiles): the same bits.
+  x, r = rand((96, 256), jnp.bfloat16), rand((96, 256), jnp.bfloat16, seed=1)
+  scale, bias = params(kind, 256)
+  outs = [call(kind, x, scale, bias, residual=r, block_sizes=BlockSizes(32, 32, d)) for d in (1, 2, 4)]
+  for y, h in outs[1:]:
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(outs[0][0], np.float32))
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(outs[0][1], np.float32))
+  assert_close(outs[0][0], oracle(kind, x, scale, bias, residual=r)[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n_rows,rows,hidden", [(88, 16, 256), (80, 16, 4096), (44, 8, 384)])
 def test_two_core_grid_writes_every_block_once(kind, n_rows, rows, hidden, monkeypatch):
   # As on megacore chips (v4, v5p): the grid is (2 cores, steps) and each core writes its blocks back
@@ -446,6 +459,7 @@ def test_bad_input_names_the_argument(kind):
   assert "dtype" in _bad("residual", kind, residual=rand((16, 128), jnp.bfloat16))
   _bad("block_sizes", kind, block_sizes=(1, 2, 3))
   _bad("block_sizes", kind, block_sizes=BlockSizes(-8, 8))
+  assert "power of two" in _bad("block_sizes", kind, block_sizes=BlockSizes(16, 16, 3))
   assert "divisible" in _bad("block_sizes", kind, kernels.TilingError, block_sizes=BlockSizes(12, 16))
   _bad("implementation", kind, implementation="cuda")
   if kind == "layer":
@@ -469,7 +483,7 @@ def test_default_blocks_fit_every_generation():
       for dtype in (jnp.bfloat16, jnp.float32):
         for residual in (False, True):
           d = nm.default_block_sizes(gen, dtype, hidden, "layer", residual)
-          assert d.rows >= 1 and d.backward_rows >= 1
+          assert d.rows >= 1 and d.backward_rows >= 1 and d.output_dmas in (1, 2, 4, 8, 16)
           b = nm.fit_block_sizes(d, 8192, hidden, dtype, residual=residual, chip=gen)
           for rows, backward in ((b.rows, False), (b.backward_rows, True)):
             assert rows % 8 == 0 or nm._wide(hidden, dtype)

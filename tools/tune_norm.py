@@ -4,10 +4,11 @@ Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate*
 (``kernels.estimate_tpu``, libtpu's static cost model), never a measurement.
 
 * ``tune`` -> ``norm_blocks.json``: for v5e, v5p and v6e, bf16, a few widths
-  (8192 rows), the fused add-and-norm forward (layer and RMS each) at several block sizes (rows x
-  width x 2 bytes from 512 KiB to 4 MiB), then the backward pass at several sizes
-  (estimated as forward + backward with the best forward). v4 has no cost model: its
-  entries are v5p's (the kernel shrinks blocks that do not fit v4's VMEM).
+  (8192 rows), layer and RMS norm, with and without the fused residual: the forward at
+  several block sizes (rows x width x 2 bytes from 512 KiB to 4 MiB) times several DMAs per
+  output block (2, 4, 8), then the backward pass at several sizes (estimated as forward +
+  backward with the best forward). v4 has no cost model: its entries are v5p's (the kernel
+  shrinks blocks that do not fit v4's VMEM). ``--jobs`` estimates run at once.
 * ``bench`` -> ``norm_bench.json``: 8192 rows, widths 1024, 4096 and 16384, bf16, on
   v5e and v6e: layer and RMS norm, with and without the residual, forward alone (and
   forward plus backward at width 4096), ours (default blocks) against XLA's jnp composition
@@ -27,6 +28,7 @@ shared lock::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import importlib
 import itertools
@@ -55,6 +57,7 @@ ROWS = 8192
 TUNE_GENERATIONS = ("v5e", "v5p", "v6e")
 TUNE_WIDTHS = (1024, 4096)
 BLOCK_BYTES = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
+OUTPUT_DMAS = (2, 4, 8)  # DMAs per forward output block (kernels.pipeline)
 BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
@@ -62,9 +65,10 @@ BENCH_GENERATIONS = ("v5e", "v6e")
 # our kernel is version 9 (6: chunked math, split input DMAs, cheaper backward, backward operands pinned to HBM: 2026-11-22;
 # streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23);
 # 7: the forward saves the row statistics for the streamed backward; 8: the backward forms u once, the
-# forward computes in 8-row chunks (2026-11-23); 9: the residual is added in the rows' dtype (2026-11-24).
+# forward computes in 8-row chunks (2026-11-23); 9: the residual is added in the rows' dtype (2026-11-24);
+# 10: the kernels write their row outputs back themselves, several DMAs a block (kernels.pipeline; 2026-11-25).
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 9
+KERNEL_VERSION = 10
 
 
 def _version(cfg) -> int:
@@ -110,7 +114,7 @@ def _program(cfg):
     return copy, (x,)
   layer = cfg["kind"] == "layer"
   if cfg["impl"] == "ours":
-    blocks = nm.BlockSizes(cfg.get("rows"), cfg.get("backward_rows"))
+    blocks = nm.BlockSizes(cfg.get("rows"), cfg.get("backward_rows"), cfg.get("output_dmas"))
     if layer:
       norm = lambda x, r, s, b: nm.layer_norm(x, s, b, residual=r, block_sizes=blocks)  # noqa: E731
     else:
@@ -165,7 +169,7 @@ def default_rows(cfg) -> dict:
   d = nm.default_block_sizes(cfg["generation"], cfg["dtype"], cfg["hidden"], cfg["kind"], cfg["residual"])
   f = nm.fit_block_sizes(d, ROWS, cfg["hidden"], cfg["dtype"], residual=cfg["residual"],
                          params=2 if cfg["kind"] == "layer" else 1, chip=cfg["generation"])
-  return {"rows": f.rows, "backward_rows": f.backward_rows}
+  return {"rows": f.rows, "backward_rows": f.backward_rows, "output_dmas": f.output_dmas}
 
 
 def _header(description):
@@ -173,39 +177,49 @@ def _header(description):
           "environment": {"jax": jax.__version__, "python": platform.python_version()}, "rows": ROWS}
 
 
+def _sweep(configs: list[dict], jobs: int) -> list[dict]:
+  """:func:`estimate_isolated` of each configuration, ``jobs`` child processes at a time."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    return list(pool.map(estimate_isolated, configs))
+
+
 def tune(args):
   table = result_tables.load(BLOCKS_OUT) or _header(
-      "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') per TPU generation "
-      "and dtype, for the tuned widths (8192 rows, fused add-and-norm, layer and RMS each); a call uses the nearest "
-      "width and "
-      "scales the rows to keep the block's bytes. Chosen from compiler estimates (libtpu's static cost model): "
-      "estimates, not measurements. v4 (no cost model) copies v5p.")
+      "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') and DMAs per forward "
+      "output block ('output_dmas') per TPU generation and dtype, for the tuned widths (8192 rows; layer and RMS "
+      "norm, with and without the fused residual, each); a call uses the nearest width and scales the rows to keep "
+      "the block's bytes. Chosen from compiler estimates (libtpu's static cost model): estimates, not "
+      "measurements. v4 (no cost model) copies v5p.")
   defaults = table.setdefault("defaults", {})
   for gen in args.generations:
-    for hidden, kind in itertools.product(args.widths, args.kinds):
+    for hidden, kind, residual in itertools.product(args.widths, args.kinds, (False, True)):
       entries = defaults.setdefault(gen, {}).setdefault("bfloat16", [])
-      same = lambda e: e["hidden"] == hidden and e.get("kind", "layer") == kind  # noqa: E731
+      same = lambda e: (e["hidden"], e.get("kind", "layer"), e.get("residual", True)) == (hidden, kind, residual)  # noqa: E731
       if any(same(e) for e in entries) and not args.force:
         continue
       t0 = time.time()
-      base = dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=True, impl="ours")
-      fwd = {}
-      for rows in sorted({max(8, b // (hidden * 2)) for b in BLOCK_BYTES}):
-        fwd[rows] = estimate_isolated(dict(base, mode="fwd", rows=rows, backward_rows=rows))
-        print(f"{gen} {kind} H={hidden} forward rows={rows}: {fwd[rows]}", flush=True)
-      best = min((r for r in fwd if "us" in fwd[r]), key=lambda r: fwd[r]["us"])
-      bwd = {}
-      for rows in sorted({max(8, b // (hidden * 2)) for b in BACKWARD_BLOCK_BYTES}):
-        bwd[rows] = estimate_isolated(dict(base, mode="fwdbwd", rows=best, backward_rows=rows))
-        print(f"{gen} {kind} H={hidden} forward+backward rows={best}/{rows}: {bwd[rows]}", flush=True)
+      base = dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=residual, impl="ours")
+      # The forward: rows x output DMAs.
+      grid = [(max(8, b // (hidden * 2)), d) for b in BLOCK_BYTES for d in OUTPUT_DMAS]
+      fwd_cfgs = [dict(base, mode="fwd", rows=r, backward_rows=r, output_dmas=d) for r, d in grid]
+      fwd = dict(zip(grid, _sweep(fwd_cfgs, args.jobs)))
+      for (r, d), v in fwd.items():
+        print(f"{gen} {kind} H={hidden} residual={residual} forward rows={r} dmas={d}: {v}", flush=True)
+      best = min((k for k in fwd if "us" in fwd[k]), key=lambda k: fwd[k]["us"])
+      # The backward (estimated as forward + backward with the best forward).
+      rows_b = sorted({max(8, b // (hidden * 2)) for b in BACKWARD_BLOCK_BYTES})
+      bwd_cfgs = [dict(base, mode="fwdbwd", rows=best[0], backward_rows=r, output_dmas=best[1]) for r in rows_b]
+      bwd = dict(zip(rows_b, _sweep(bwd_cfgs, args.jobs)))
+      for r, v in bwd.items():
+        print(f"{gen} {kind} H={hidden} residual={residual} forward+backward rows={best}/{r}: {v}", flush=True)
       best_b = min((r for r in bwd if "us" in bwd[r]), key=lambda r: bwd[r]["us"])
       entries[:] = [e for e in entries if not same(e)] + [{
-          "hidden": hidden, "kind": kind, "rows": best, "backward_rows": best_b, "forward": fwd[best],
-          "forward_and_backward": bwd[best_b],
-          "forward_sweep": {str(r): v.get("us") for r, v in fwd.items()},
+          "hidden": hidden, "kind": kind, "residual": residual, "rows": best[0], "backward_rows": best_b,
+          "output_dmas": best[1], "forward": fwd[best], "forward_and_backward": bwd[best_b],
+          "forward_sweep": {f"{r}/{d}": v.get("us") for (r, d), v in fwd.items()},
           "backward_sweep": {str(r): v.get("us") for r, v in bwd.items()},
           "tuned": datetime.date.today().isoformat(), "wall_seconds": round(time.time() - t0)}]
-      entries.sort(key=lambda e: (e["hidden"], e.get("kind", "layer")))
+      entries.sort(key=lambda e: (e["hidden"], e.get("kind", "layer"), e.get("residual", True)))
       if "v5p" in defaults:
         defaults["v4"] = {"bfloat16": [dict(e, source="v5p's choice (libtpu has no cost model for v4)")
                                        for e in defaults["v5p"]["bfloat16"]]}
@@ -254,6 +268,7 @@ def main(argv=None):
   ap.add_argument("--widths", nargs="*", type=int)
   ap.add_argument("--kinds", nargs="*", default=["layer", "rms"])
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--jobs", type=int, default=2, help="(tune) estimates run at once, each in its own process")
   args = ap.parse_args(argv)
   if args.job == "one":
     try:
