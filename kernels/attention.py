@@ -5,8 +5,8 @@ one ``block_q x block_kv`` tile at a time, never materialising the ``[q_len, kv_
 matrix in HBM (memory O(S) per head, so 128k-token contexts fit). :func:`attention_reference`
 is the same computation in plain JAX (the matrix in full), and the oracle of the tests.
 
-How the kernel works
---------------------
+How flash attention works
+-------------------------
 
 *Layouts.* ``layout="BHSD"`` (``[batch, heads, seq, head_dim]``) is the native
 layout: blocks ``(block, head_dim)`` are cut straight out of the 4-D array.
@@ -139,8 +139,8 @@ the sinks and the dropout seed are (8, 128) VMEM tiles, not SMEM scalars. The
 forward with dropout still aborts it (compiles, cannot be estimated), and one
 backward (S=2048, GQA, BSHD, 512 blocks) aborted it once in a test run.
 
-Estimates
----------
+Estimates of flash attention
+----------------------------
 Compiler estimates (libtpu's cost model via :func:`kernels.estimate_tpu`, jax 0.10.2),
 bf16, batch 1, head_dim 128, BHSD, seen while developing
 (``kernels/data/attention_bench.json`` and ``attention_blocks.json`` hold the rest):

@@ -119,8 +119,8 @@ plain compiler does not; two code shapes that compile fine abort it, so the
 kernel avoids them: the K-tail select runs on 32-bit values (fp8 through its
 int8 bits), and decode blocks are whole 16-row bf16 tiles.
 
-Estimates
----------
+Estimates of the matmul
+-----------------------
 All numbers are **compiler estimates** (libtpu's static cost model through
 :func:`kernels.estimate_tpu`, jax 0.10.2), never measurements; bf16 in and out,
 ``[n, n] @ [n, n]``, default blocks unless stated. ``tools/tune_matmul.py``

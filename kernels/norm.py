@@ -111,15 +111,15 @@ roofline and against the model's own copy bandwidth (with outputs left to XLA, a
 and in XLA's fusions, a plain copy is estimated at about twice the published HBM
 bandwidth, so memory-bound estimates beat the nominal roofline). Known weak spots
 there: on v6e the model grants XLA's fusions about twice the bandwidth of any Pallas
-DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas kernel), and XLA's RMS norm
-forward is estimated faster than this kernel's there (45.4 us against 42.8 us at
-8192 x 4096 bf16, with or without XLA's cross-program prefetch). XLA's program reads
-``x`` from HBM twice: its sum-of-squares fusion reads it while an async copy brings all
-64 MiB of it into VMEM (v6e has 128 MiB), and the output fusion reads that copy. That is
-1.5x this kernel's bytes, estimated at 4.7 TB/s against the model's 4.0 TB/s for a Pallas
-copy. The kernel is bound by vector work at about 5.6 ops per element, and neither
-summing the squares on the MXU (diag(x x^T) per 16-row group: 44.5 us) nor re-reading
-the rows instead of spilling them (48.9 us) closed the gap.
+DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas kernel). XLA's RMS norm forward
+at 8192 x 4096 bf16 is estimated at 42.8 us there, though it reads ``x`` from HBM twice
+(its sum-of-squares fusion reads it while an async copy brings all 64 MiB of it into
+VMEM, and the output fusion reads that copy). This kernel was estimated at 45.4 us
+while Pallas's pipeline wrote each output block as one DMA (summing the squares on the
+MXU, 44.5 us, or re-reading the rows instead of spilling them, 48.9 us, did not close
+the gap); writing the outputs back itself as several DMAs a block (*DMAs* above)
+brought it to about 35 us. The model's response to the number of DMAs is erratic, so
+``tools/tune_norm.py`` picks it per generation and width, with the rows.
 """
 from __future__ import annotations
 
@@ -396,7 +396,7 @@ _FORWARD_UNROLL_ROWS = 256
 # Each row input of a block is fetched as this many DMAs of rows/INPUT_SPLIT rows (the same array
 # passed that many times, with index maps split*i + j): the compiler's cost model streams one DMA at
 # well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
-# v6e, compiler estimates). Outputs stay one DMA each (an output array has one BlockSpec).
+# v6e, compiler estimates).
 INPUT_SPLIT = 2
 # Each row output (y, h, dx) is written back by the kernel itself, as several DMAs a block, while
 # the next block is computed (see kernels.pipeline). The forward's count is tuned per generation

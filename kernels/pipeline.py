@@ -3,9 +3,10 @@
 A Pallas grid step computes one block of rows, and Pallas's own pipeline writes each
 output block back as one DMA. In the TPU compiler's cost model one DMA streams well
 below the HBM bandwidth, several in flight go faster, and the write-back of a step
-hides little of the next step's compute (a bf16 kernel at 8192 x 4096 doing four
-multiplies per element, v6e, compiler estimates: 45.1 us with Pallas's write-back,
-33.9 us with the block written as two DMAs by the kernel, 33.2 us with four).
+hides little of the next step's compute (a bf16 kernel at 8192 x 4096 that reads each
+512-row block as two DMAs and does four multiplications per element, v6e, compiler
+estimates: 45.1 us with Pallas's write-back, 33.9 us with each block written back by the
+kernel as two DMAs, 33.2 us as four).
 
 So here a kernel computes block ``b`` into one of two VMEM buffers, and at the start
 of the next step it starts ``split`` DMAs of block ``b`` (one per slice of rows),

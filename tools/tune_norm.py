@@ -6,8 +6,9 @@ Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate*
 * ``tune`` -> ``norm_blocks.json``: for v5e, v5p and v6e, bf16, a few widths
   (8192 rows), layer and RMS norm, with and without the fused residual: the forward at
   several block sizes (rows x width x 2 bytes from 512 KiB to 4 MiB) times several DMAs per
-  output block (2, 4, 8), then the backward pass at several sizes (estimated as forward +
-  backward with the best forward). v4 has no cost model: its entries are v5p's (the kernel
+  output block (2, 4, 8), alone and as ``jax.grad`` runs it (the best sum of the two wins),
+  then the backward pass at several sizes (estimated as forward + backward with the best
+  forward). v4 has no cost model: its entries are v5p's (the kernel
   shrinks blocks that do not fit v4's VMEM). ``--jobs`` estimates run at once.
 * ``bench`` -> ``norm_bench.json``: 8192 rows, widths 1024, 4096 and 16384, bf16, on
   v5e and v6e: layer and RMS norm, with and without the residual, forward alone (and
@@ -37,6 +38,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,6 +133,8 @@ def _program(cfg):
 
   if cfg["mode"] == "fwd":
     return fwd, (x, x, vec, vec)
+  if cfg["mode"] == "fwdgrad":  # the forward as jax.grad runs it: it also saves what the backward needs
+    return (lambda x, r, s, b: jax.vjp(fwd, x, r, s, b)[0]), (x, x, vec, vec)
 
   def fwdbwd(x, r, s, b, dy, dh):
     if not residual:  # (r is unused: its gradient would be a materialised array of zeros)
@@ -195,28 +199,43 @@ def tune(args):
     for hidden, kind, residual in itertools.product(args.widths, args.kinds, (False, True)):
       entries = defaults.setdefault(gen, {}).setdefault("bfloat16", [])
       same = lambda e: (e["hidden"], e.get("kind", "layer"), e.get("residual", True)) == (hidden, kind, residual)  # noqa: E731
-      if any(same(e) for e in entries) and not args.force:
+      # (Entries tuned without the forward under grad, an older format, are tuned again.)
+      if any(same(e) and "forward_under_grad" in e for e in entries) and not args.force:
         continue
       t0 = time.time()
       base = dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=residual, impl="ours")
-      # The forward: rows x output DMAs.
+      # The forward: rows x output DMAs, alone and as jax.grad runs it (saving the row statistics at
+      # widths >= 4096), which the cost model can rank differently; the best sum of the two wins.
       grid = [(max(8, b // (hidden * 2)), d) for b in BLOCK_BYTES for d in OUTPUT_DMAS]
-      fwd_cfgs = [dict(base, mode="fwd", rows=r, backward_rows=r, output_dmas=d) for r, d in grid]
-      fwd = dict(zip(grid, _sweep(fwd_cfgs, args.jobs)))
-      for (r, d), v in fwd.items():
-        print(f"{gen} {kind} H={hidden} residual={residual} forward rows={r} dmas={d}: {v}", flush=True)
-      best = min((k for k in fwd if "us" in fwd[k]), key=lambda k: fwd[k]["us"])
-      # The backward (estimated as forward + backward with the best forward).
+      saves = nm._streams(hidden, jnp.bfloat16, 128)  # (narrower rows save nothing: the same program twice)
+      modes = ("fwd", "fwdgrad") if saves else ("fwd",)
+      cfgs = [dict(base, mode=m, rows=r, backward_rows=r, output_dmas=d) for m in modes for r, d in grid]
+      est = _sweep(cfgs, args.jobs)
+      fwd, fwdgrad = dict(zip(grid, est[:len(grid)])), dict(zip(grid, est[-len(grid):]))
+      for (r, d) in grid:
+        print(f"{gen} {kind} H={hidden} residual={residual} forward rows={r} dmas={d}: {fwd[r, d]}; "
+              f"under grad: {fwdgrad[r, d]}", flush=True)
+      # The backward (estimated as forward + backward with the forward), for the forwards in order of
+      # fwd + fwdgrad: the best whose forward + backward program compiles. (On v5p, XLA can place so
+      # many temporaries of the forward + backward program in VMEM that a forward block which compiles
+      # alone no longer fits, e.g. layer add-and-norm at 4096 x 512 rows.)
+      ranked = sorted((k for k in grid if "us" in fwd[k] and "us" in fwdgrad[k]),
+                      key=lambda k: fwd[k]["us"] + fwdgrad[k]["us"])
       rows_b = sorted({max(8, b // (hidden * 2)) for b in BACKWARD_BLOCK_BYTES})
-      bwd_cfgs = [dict(base, mode="fwdbwd", rows=best[0], backward_rows=r, output_dmas=best[1]) for r in rows_b]
-      bwd = dict(zip(rows_b, _sweep(bwd_cfgs, args.jobs)))
-      for r, v in bwd.items():
-        print(f"{gen} {kind} H={hidden} residual={residual} forward+backward rows={best}/{r}: {v}", flush=True)
+      for best in ranked:
+        bwd_cfgs = [dict(base, mode="fwdbwd", rows=best[0], backward_rows=r, output_dmas=best[1]) for r in rows_b]
+        bwd = dict(zip(rows_b, _sweep(bwd_cfgs, args.jobs)))
+        for r, v in bwd.items():
+          print(f"{gen} {kind} H={hidden} residual={residual} forward+backward rows={best}/{r}: {v}", flush=True)
+        if any("us" in v for v in bwd.values()):
+          break
       best_b = min((r for r in bwd if "us" in bwd[r]), key=lambda r: bwd[r]["us"])
       entries[:] = [e for e in entries if not same(e)] + [{
           "hidden": hidden, "kind": kind, "residual": residual, "rows": best[0], "backward_rows": best_b,
-          "output_dmas": best[1], "forward": fwd[best], "forward_and_backward": bwd[best_b],
+          "output_dmas": best[1], "forward": fwd[best], "forward_under_grad": fwdgrad[best],
+          "forward_and_backward": bwd[best_b],
           "forward_sweep": {f"{r}/{d}": v.get("us") for (r, d), v in fwd.items()},
+          "forward_under_grad_sweep": {f"{r}/{d}": v.get("us") for (r, d), v in fwdgrad.items()},
           "backward_sweep": {str(r): v.get("us") for r, v in bwd.items()},
           "tuned": datetime.date.today().isoformat(), "wall_seconds": round(time.time() - t0)}]
       entries.sort(key=lambda e: (e["hidden"], e.get("kind", "layer"), e.get("residual", True)))
@@ -245,19 +264,27 @@ def bench(args):
           for impl in ("ours", "xla"):
             configs.append(dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=residual,
                                 mode=mode, impl=impl))
-  for cfg in configs:
-    key = "/".join(str(cfg.get(k)) for k in ("generation", "impl", "kind", "hidden", "residual", "mode"))
-    old = results.get(key, {})
+  key = lambda cfg: "/".join(str(cfg.get(k)) for k in ("generation", "impl", "kind", "hidden", "residual", "mode"))  # noqa: E731
+
+  def todo(cfg):
+    old = results.get(key(cfg), {})
     current = old.get("program", 1) >= _version(cfg) and old.get("harness", 1) >= _harness(cfg)
-    if "us" in old and current and not args.force:
-      continue
+    return args.force or "us" not in old or not current
+
+  lock = threading.Lock()
+
+  def run(cfg):
     r = estimate_isolated(cfg)
     r.update(cfg, bytes=bytes_moved(cfg), program=_version(cfg), harness=_harness(cfg))
     if cfg["impl"] == "ours":  # the default rows per block the estimate used (from the table at the time)
       r["blocks"] = default_rows(cfg)
-    results[key] = r
-    print(key, r.get("us"), r.get("error", ""), flush=True)
-    result_tables.save(table, BENCH_OUT)
+    with lock:  # (written after each estimate, so an interrupted run resumes)
+      results[key(cfg)] = r
+      print(key(cfg), r.get("us"), r.get("error", ""), flush=True)
+      result_tables.save(table, BENCH_OUT)
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    list(pool.map(run, [c for c in configs if todo(c)]))
 
 
 def main(argv=None):
@@ -268,7 +295,7 @@ def main(argv=None):
   ap.add_argument("--widths", nargs="*", type=int)
   ap.add_argument("--kinds", nargs="*", default=["layer", "rms"])
   ap.add_argument("--force", action="store_true")
-  ap.add_argument("--jobs", type=int, default=2, help="(tune) estimates run at once, each in its own process")
+  ap.add_argument("--jobs", type=int, default=2, help="estimates run at once, each in its own process")
   args = ap.parse_args(argv)
   if args.job == "one":
     try:
