@@ -45,7 +45,9 @@ itself (:mod:`kernels.pipeline`): block ``b`` goes out as several DMAs, started 
 next step and overlapped with its compute, instead of Pallas's one DMA per block. In
 the model that hides the forward's vector work behind its DMAs (RMS forward, 8192 x
 4096 bf16, with the old rows per block: v6e 45.4 -> 35.6 us, v5e 75.5 -> 56.9 us;
-XLA's fusions: 42.8 and 184.9 us). The number of DMAs is tuned with the rows.
+XLA's fusions: 42.8 and 184.9 us). The number of DMAs is tuned with the rows; 1
+leaves the write-back to Pallas's pipeline, which the model prefers for layer norm at
+width 1024 on v6e.
 
 *Rows per block.* Big enough that the ~0.35 us fixed cost of a grid step is small
 against its DMA, small enough to double-buffer in VMEM. The defaults come from
@@ -158,7 +160,9 @@ class BlockSizes:
   ``None`` picks the per-generation default. A value at least the number of rows
   becomes all the rows; otherwise it must be a multiple of 8 (Mosaic's sublane rule).
   ``output_dmas`` is a power of two; it is lowered until each DMA's rows keep whole
-  VMEM tiles (:func:`kernels.pipeline.split_for`).
+  VMEM tiles (:func:`kernels.pipeline.split_for`). 1 leaves the write-back to Pallas's
+  own pipeline (one DMA a block), which the cost model sometimes prefers (v6e, width 1024,
+  with the residual).
   """
 
   rows: int | None = None
@@ -841,9 +845,11 @@ def _row_in_specs(p: _Problem, blocks: pipeline.RowBlocks, split: int):
 
 
 def _row_outputs(p: _Problem, blocks: pipeline.RowBlocks, n: int, dmas: int, hbm: bool) -> pipeline.Outputs:
-  """``n`` row outputs (y [and h], or dx) that the kernel writes back itself, ``dmas`` DMAs a block."""
+  """``n`` row outputs (y [and h], or dx) that the kernel writes back itself, ``dmas`` DMAs a block
+  (1: Pallas's pipeline writes them)."""
   row = _row_shape(p.hidden, p.dtype)
-  return pipeline.Outputs(blocks, [(row, p.dtype)] * n, pipeline.split_for(blocks.rows, row, p.dtype, dmas), hbm=hbm)
+  return pipeline.Outputs(blocks, [(row, p.dtype)] * n, pipeline.split_for(blocks.rows, row, p.dtype, dmas), hbm=hbm,
+                          manual=dmas != 1)
 
 
 def _in_hbm(a, interpret):

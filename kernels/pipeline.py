@@ -110,18 +110,18 @@ class Outputs:
   A DMA may not end in the middle of an HBM tile of 16-bit rows (Mosaic accepts a last slice of 2,
   4, 8 or 16 bf16 rows, not 6), so when the last block of 16-bit rows is ragged by other than a
   whole tile, the outputs are left to Pallas's pipeline (:attr:`manual` is False): the same
-  kernel body, the same results.
+  kernel body, the same results. ``manual=False`` asks for that pipeline outright.
   """
 
   def __init__(self, blocks: RowBlocks, outputs: Sequence[tuple[Sequence[int], object]], split: int, *,
-               hbm: bool = True):
+               hbm: bool = True, manual: bool = True):
     self.blocks = blocks
     self.outputs = [(tuple(row), jnp.dtype(dtype)) for row, dtype in outputs]
     self.split = split
     self.hbm = hbm
     whole = [len(row) > 1 or dtype.itemsize >= 4 for row, dtype in self.outputs]  # (wide rows: rows are leading)
     least = max((1 if w else tiling.sublane_multiple(d)) for w, (_, d) in zip(whole, self.outputs))
-    self.manual = blocks.n_blocks == 1 or blocks.tail % least == 0
+    self.manual = manual and (blocks.n_blocks == 1 or blocks.tail % least == 0)
 
   def out_shape(self) -> list:
     make = (lambda s, d: pltpu.HBM(s, d)) if self.hbm else jax.ShapeDtypeStruct

@@ -298,8 +298,8 @@ def test_no_races_in_the_pipeline():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_output_dmas_do_not_change_results(kind):
-  # Each forward output block written back as 1, 2 or 4 DMAs (of 32, 16 or 16 rows: bf16 keeps whole
-  # 16-row tiles): the same bits.
+  # Each forward output block written back by Pallas's pipeline (1) or by the kernel as 2 or 4 DMAs
+  # (of 16 rows each: bf16 keeps whole 16-row tiles): the same bits.
   x, r = rand((96, 256), jnp.bfloat16), rand((96, 256), jnp.bfloat16, seed=1)
   scale, bias = params(kind, 256)
   outs = [call(kind, x, scale, bias, residual=r, block_sizes=BlockSizes(32, 32, d)) for d in (1, 2, 4)]

@@ -59,7 +59,7 @@ ROWS = 8192
 TUNE_GENERATIONS = ("v5e", "v5p", "v6e")
 TUNE_WIDTHS = (1024, 4096)
 BLOCK_BYTES = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
-OUTPUT_DMAS = (2, 4, 8)  # DMAs per forward output block (kernels.pipeline)
+OUTPUT_DMAS = (1, 2, 4, 8)  # DMAs per forward output block (kernels.pipeline; 1: Pallas's pipeline)
 BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
