@@ -161,8 +161,8 @@ class BlockSizes:
   becomes all the rows; otherwise it must be a multiple of 8 (Mosaic's sublane rule).
   ``output_dmas`` is a power of two; it is lowered until each DMA's rows keep whole
   VMEM tiles (:func:`kernels.pipeline.split_for`). 1 leaves the write-back to Pallas's
-  own pipeline (one DMA a block), which the cost model sometimes prefers (v6e, width 1024,
-  with the residual).
+  own pipeline (one DMA a block), which the cost model sometimes prefers (layer norm at
+  width 1024 on v6e).
   """
 
   rows: int | None = None

@@ -6,7 +6,7 @@ Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate*
 * ``tune`` -> ``norm_blocks.json``: for v5e, v5p and v6e, bf16, a few widths
   (8192 rows), layer and RMS norm, with and without the fused residual: the forward at
   several block sizes (rows x width x 2 bytes from 512 KiB to 4 MiB) times several DMAs per
-  output block (2, 4, 8), alone and as ``jax.grad`` runs it (the best sum of the two wins),
+  output block (1: Pallas's pipeline, 2, 4, 8), alone and as ``jax.grad`` runs it (the best sum of the two wins),
   then the backward pass at several sizes (estimated as forward + backward with the best
   forward). v4 has no cost model: its entries are v5p's (the kernel
   shrinks blocks that do not fit v4's VMEM). ``--jobs`` estimates run at once.
