@@ -10,6 +10,7 @@ The Sphinx source directory is the repository root. Build one language with::
 from __future__ import annotations
 
 import html
+import importlib.util
 import os
 import sys
 import tomllib
@@ -30,16 +31,29 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 with open(ROOT / "pyproject.toml", "rb") as _f:
     _pyproject = tomllib.load(_f)["project"]
 
+
+def _load_site_tool():
+    # tools/ is not a package, and "site" would clash with the standard library module.
+    spec = importlib.util.spec_from_file_location("_pallas_kernels_site_tool", ROOT / "tools" / "site.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: tools/site.py builds the launch links; README.md's badges come from the same function.
+_site_tool = _load_site_tool()
+
 # -- Project -----------------------------------------------------------------
 project = "Pallas TPU kernels"
 author = "pallas-kernels maintainers"
 copyright = "pallas-kernels maintainers"
 release = _pyproject["version"]
 version = release
-REPOSITORY_URL = _pyproject["urls"]["Source"].rstrip("/")
+#: The one place the repository's URL is written: pyproject.toml's [project.urls] Source.
+REPOSITORY_URL = _site_tool.check_repository_url(_pyproject["urls"]["Source"])
 #: Where the site is published; each language lives under ``<DOCS_URL><lang>/``.
 DOCS_URL = _pyproject["urls"]["Documentation"].rstrip("/") + "/"
-REPOSITORY_BRANCH = "main"
+REPOSITORY_BRANCH = _site_tool.REPOSITORY_BRANCH
 
 # -- General -----------------------------------------------------------------
 extensions = [
@@ -118,7 +132,7 @@ html_theme_options = {
     "path_to_docs": "",
     "use_repository_button": True,
     "launch_buttons": {
-        "colab_url": "https://colab.research.google.com",
+        "colab_url": _site_tool.COLAB_URL,
         "notebook_interface": "jupyterlab",
     },
     "home_page_in_toc": True,
@@ -127,15 +141,6 @@ html_theme_options = {
     # Language switcher first, then the theme's own buttons.
     "article_header_end": ["language-switcher.html", "article-header-buttons.html"],
 }
-
-KAGGLE_URL = "https://kaggle.com/kernels/welcome?src="
-COLAB_URL = html_theme_options["launch_buttons"]["colab_url"]
-
-
-def _notebook_github_url(pagename: str) -> str:
-    """GitHub blob URL of the paired, output-free ``.ipynb`` of a notebook page."""
-    return f"{REPOSITORY_URL}/blob/{REPOSITORY_BRANCH}/{pagename}.ipynb"
-
 
 def _is_notebook_page(app, pagename: str) -> bool:
     return "kernelspec" in app.env.metadata.get(pagename, {})
@@ -178,9 +183,9 @@ def _add_notebook_launch_links(app, pagename, templatename, context, doctree):
     """
     if not _is_notebook_page(app, pagename):
         return
-    github_url = _notebook_github_url(pagename)
-    colab = f"{COLAB_URL}/github/{github_url.removeprefix('https://github.com/')}"
-    kaggle = f"{KAGGLE_URL}{github_url}"
+    # The paired, output-free .ipynb of the page, on GitHub.
+    urls = _site_tool.launch_urls(REPOSITORY_URL, f"{pagename}.ipynb", REPOSITORY_BRANCH)
+    colab, kaggle = urls["colab"], urls["kaggle"]
     context["notebook_launch"] = {"colab": colab, "kaggle": kaggle}
 
     for group in context.get("header_buttons", []):

@@ -112,7 +112,256 @@ def test_sync_check_names_missing_stale_and_orphaned_notebooks(tmp_path):
     (tmp_path / "old.ipynb").write_text("{}")
     problems = site_tool.sync_problems(tmp_path)
     assert len(problems) == 1 and "old.ipynb" in problems[0]
-    assert site_tool.main(["sync-check", "--notebooks", str(tmp_path)]) == 1
+
+
+# --- tools/site.py: the repository URL, README's table, index.md ----------------------
+
+OLD_URL = "https://github.com/pallas-kernels/pallas-kernels"
+FORK_URL = "https://github.com/someone/tpu-kernels"
+
+PYPROJECT = textwrap.dedent(
+    """\
+    [project]
+    name = "pallas-kernels"
+    version = "0.1.0"
+
+    [project.urls]
+    Documentation = "https://example.org/docs/"
+    Source = "{url}"
+    """
+)
+
+INSTALL_CELL = textwrap.dedent(
+    """\
+    ```{{code-cell}} ipython3
+    :tags: [remove-cell]
+
+    # On Colab or Kaggle: install this repository's package first.
+    import importlib.util, subprocess, sys
+    if importlib.util.find_spec("kernels") is None:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                               "pallas-kernels @ git+{url}"])
+    ```
+    """
+)
+
+
+def _notebook(title: str, url: str = OLD_URL, install: bool = True) -> str:
+    front, body = NOTEBOOK.split("# A notebook\n")
+    return front + f"# {title}\n\nIntro.\n\n" + (INSTALL_CELL.format(url=url) if install else "") + body
+
+
+README = textwrap.dedent(
+    """\
+    # Project
+
+    ## Run a notebook on a TPU
+
+    <!-- notebooks:begin -->
+    | notebook | old table |
+    <!-- notebooks:end -->
+
+    ```bash
+    pip install "pallas-kernels[tpu] @ git+{url}"
+    ```
+    """
+)
+
+INDEX = textwrap.dedent(
+    """\
+    # Home
+
+    ## Where to start
+
+    - {{doc}}`docs/getting_started`: install it.
+    {bullets}
+    Some closing words.
+
+    ```{{toctree}}
+    :maxdepth: 1
+    :hidden:
+
+    docs/getting_started
+    {toctree}
+    ```
+    """
+)
+
+GETTING_STARTED = textwrap.dedent(
+    """\
+    # Getting started
+
+    ```bash
+    pip install "pallas-kernels[tpu] @ git+{url}"
+    git clone {url}
+    cd pallas-kernels
+    pip install "jax @ git+https://github.com/jax-ml/jax"
+    ```
+    """
+)
+
+
+def _index(listed: list[str], toctree: list[str] | None = None) -> str:
+    toctree = listed if toctree is None else toctree
+    return INDEX.format(bullets="".join(f"- {{doc}}`notebooks/{n}`: about {n}.\n" for n in listed),
+                        toctree="\n".join(f"notebooks/{n}" for n in toctree))
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A small repository whose sources all name OLD_URL: two notebooks, README, index.md, one doc page."""
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT.format(url=OLD_URL))
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "second.md").write_text(_notebook("Second | notebook"))
+    (tmp_path / "notebooks" / "first.md").write_text(_notebook("First notebook"))
+    (tmp_path / "README.md").write_text(README.format(url=OLD_URL))
+    (tmp_path / "index.md").write_text(_index(["first", "second"]))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "getting_started.md").write_text(GETTING_STARTED.format(url=OLD_URL))
+    site_tool.sync_all(tmp_path)
+    assert site_tool.check_all(tmp_path) == []
+    return tmp_path
+
+
+def test_launch_urls():
+    urls = site_tool.launch_urls(FORK_URL, "notebooks/matmul.ipynb")
+    assert urls == {
+        "github": "https://github.com/someone/tpu-kernels/blob/main/notebooks/matmul.ipynb",
+        "colab": "https://colab.research.google.com/github/someone/tpu-kernels/blob/main/notebooks/matmul.ipynb",
+        "kaggle": "https://kaggle.com/kernels/welcome?src="
+                  "https://github.com/someone/tpu-kernels/blob/main/notebooks/matmul.ipynb",
+    }
+    assert site_tool.check_repository_url(FORK_URL + "/") == FORK_URL
+    for bad in ("https://gitlab.com/someone/tpu-kernels", FORK_URL + ".git", "https://github.com/someone"):
+        with pytest.raises(ValueError, match="GitHub repository"):
+            site_tool.check_repository_url(bad)
+
+
+def test_sync_writes_readme_table_in_toctree_order(repo):
+    readme = (repo / "README.md").read_text()
+    table = readme.split("<!-- notebooks:begin -->\n\n")[1].split("\n\n<!-- notebooks:end -->")[0]
+    colab = "https://colab.research.google.com/github/pallas-kernels/pallas-kernels/blob/main/notebooks"
+    kaggle = f"https://kaggle.com/kernels/welcome?src={OLD_URL}/blob/main/notebooks"
+    assert table.splitlines() == [
+        "| notebook | Colab (TPU v5e-1) | Kaggle (TPU v5e-8) |",
+        "| --- | --- | --- |",
+        # titles are the notebooks' first headings (not the "# On Colab" comment in the install cell)
+        f"| First notebook | [![Open in Colab]({site_tool.COLAB_BADGE})]({colab}/first.ipynb) "
+        f"| [![Open in Kaggle]({site_tool.KAGGLE_BADGE})]({kaggle}/first.ipynb) |",
+        f"| Second \\| notebook | [![Open in Colab]({site_tool.COLAB_BADGE})]({colab}/second.ipynb) "
+        f"| [![Open in Kaggle]({site_tool.KAGGLE_BADGE})]({kaggle}/second.ipynb) |",
+    ]
+    # index.md's toctree decides the order, not the file names
+    (repo / "index.md").write_text(_index(["second", "first"]))
+    site_tool.sync_all(repo)
+    readme = (repo / "README.md").read_text()
+    assert readme.index("second.ipynb") < readme.index("first.ipynb")
+
+
+def test_a_fork_changes_one_line(repo):
+    pyproject = repo / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace(OLD_URL, FORK_URL))
+
+    problems = site_tool.check_all(repo)
+    text = "\n".join(problems)
+    for name in ("first", "second"):
+        # the requirement is on line 25 of each notebook
+        assert (f"notebooks/{name}.md:25: 'pallas-kernels @ git+{OLD_URL}' should be "
+                f"'pallas-kernels @ git+{FORK_URL}'") in text
+    assert (f"README.md:15: 'pallas-kernels[tpu] @ git+{OLD_URL}' should be "
+            f"'pallas-kernels[tpu] @ git+{FORK_URL}'") in text
+    assert "README.md: the table of notebooks between <!-- notebooks:begin -->" in text
+    assert f"docs/getting_started.md:5: 'git clone {OLD_URL}\\ncd pallas-kernels' should be " in text
+    assert site_tool.main(["sync-check", "--root", str(repo)]) == 1
+
+    site_tool.sync_all(repo)
+    assert site_tool.check_all(repo) == []
+    assert site_tool.main(["sync-check", "--root", str(repo)]) == 0
+    for name in ("first", "second"):
+        md = (repo / "notebooks" / f"{name}.md").read_text()
+        assert f'"pallas-kernels @ git+{FORK_URL}"])' in md and OLD_URL not in md
+        nb = json.loads((repo / "notebooks" / f"{name}.ipynb").read_text())
+        install = next(c for c in nb["cells"] if c["cell_type"] == "code")
+        assert f"pallas-kernels @ git+{FORK_URL}" in "".join(install["source"])
+    readme = (repo / "README.md").read_text()
+    assert OLD_URL not in readme
+    assert f'pip install "pallas-kernels[tpu] @ git+{FORK_URL}"' in readme
+    assert "https://colab.research.google.com/github/someone/tpu-kernels/blob/main/notebooks/first.ipynb" in readme
+    doc = (repo / "docs" / "getting_started.md").read_text()
+    assert f"git clone {FORK_URL}\ncd tpu-kernels\n" in doc
+    # another package's git requirement is left alone
+    assert 'pip install "jax @ git+https://github.com/jax-ml/jax"' in doc
+
+
+def test_check_finds_a_drifted_install_cell(repo):
+    md = repo / "notebooks" / "second.md"
+    md.write_text(md.read_text().replace(OLD_URL, FORK_URL))
+    site_tool.sync(repo / "notebooks")  # the .ipynb follows the .md: only the URL check can see this
+    problems = site_tool.check_all(repo)
+    assert problems == [f"notebooks/second.md:25: 'pallas-kernels @ git+{FORK_URL}' should be "
+                        f"'pallas-kernels @ git+{OLD_URL}' (from pyproject.toml's [project.urls] Source)"]
+    assert site_tool.main(["sync", "--root", str(repo)]) == 0
+    assert OLD_URL in md.read_text() and FORK_URL not in md.read_text()
+
+
+def test_check_finds_a_drifted_readme(repo):
+    readme = repo / "README.md"
+    text = readme.read_text()
+    readme.write_text(text.replace(f"[tpu] @ git+{OLD_URL}", f"[tpu] @ git+{FORK_URL}"))
+    problems = site_tool.check_all(repo)
+    assert len(problems) == 1 and problems[0].startswith(f"README.md:15: 'pallas-kernels[tpu] @ git+{FORK_URL}'")
+
+    readme.write_text(text.replace("/notebooks/first.ipynb", "/notebooks/frist.ipynb"))
+    problems = site_tool.check_all(repo)
+    assert len(problems) == 1 and "the table of notebooks" in problems[0]
+    assert problems[0].endswith("(no row for notebooks/first.ipynb)")
+
+    readme.write_text(text.replace("<!-- notebooks:end -->", ""))
+    problems = site_tool.check_all(repo)
+    assert problems == ["README.md: no <!-- notebooks:begin --> ... <!-- notebooks:end --> markers "
+                        "around the table of notebooks"]
+
+
+def test_check_finds_a_notebook_missing_from_index(repo):
+    (repo / "notebooks" / "third.md").write_text(_notebook("Third"))
+    problems = site_tool.check_all(repo)
+    assert "index.md: 'Where to start' does not list notebooks/third (add a bullet " \
+           "{doc}`notebooks/third`: what the notebook shows)" in problems
+    assert "index.md: the toctree does not include notebooks/third" in problems
+    assert "notebooks/third.ipynb: missing (paired with notebooks/third.md)" in problems
+    assert any("no row for notebooks/third.ipynb" in p for p in problems)
+
+    # in the toctree only: the toctree after the section does not count as listing it
+    (repo / "index.md").write_text(_index(["first", "second"], toctree=["first", "second", "third"]))
+    site_tool.sync_all(repo)
+    assert site_tool.check_all(repo) == ["index.md: 'Where to start' does not list notebooks/third "
+                                         "(add a bullet {doc}`notebooks/third`: what the notebook shows)"]
+    assert site_tool.main(["sync", "--root", str(repo)]) == 1  # sync cannot write the bullet
+
+    (repo / "index.md").write_text(_index(["first", "second", "third"]).replace(
+        "{doc}`notebooks/third`", "{doc}`the third one <notebooks/third>`"))
+    assert site_tool.check_all(repo) == []
+
+    (repo / "index.md").write_text(_index(["first", "second", "third"]).replace("## Where to start", "## Start"))
+    assert site_tool.check_all(repo) == ["index.md: no '## Where to start' section"]
+
+
+def test_check_finds_a_notebook_without_install_cell(repo):
+    (repo / "notebooks" / "third.md").write_text(_notebook("Third", install=False))
+    (repo / "index.md").write_text(_index(["first", "second", "third"]))
+    site_tool.sync_all(repo)
+    problems = site_tool.check_all(repo)
+    assert problems == ["notebooks/third.md: the first code cell does not install the package; start the "
+                        "notebook with the install cell of the others (pip install "
+                        f"\"pallas-kernels @ git+{OLD_URL}\" if `kernels` is missing)"]
+
+
+def test_this_repository_is_in_sync():
+    """index.md lists every notebook, and every source names pyproject.toml's URL."""
+    project = site_tool.Project.load(ROOT)
+    assert site_tool.source_problems(project) == []
+    names = {md.stem for md in site_tool.text_notebooks(project.notebooks)}
+    assert {"getting_started", "calibration", "matmul", "norm", "flash_attention"} <= names
 
 
 # --- tools/i18n.py ------------------------------------------------------------------
