@@ -64,7 +64,7 @@ def test_estimate_is_positive_labelled_and_below_roofline():
   flops, nbytes = kernels.matmul_cost(1024, 1024, 1024)
   e = kernels.estimate_tpu(toy.matmul, sds(1024, 1024), sds(1024, 1024), generation="v5e",
                            bm=512, bk=1024, bn=1024, flops=flops, bytes_accessed=nbytes)
-  assert e.cycles > 0 and e.seconds == pytest.approx(e.cycles / 1.5e9)
+  assert e.cycles > 0 and e.model_seconds == pytest.approx(e.cycles / 1.5e9) and e.seconds >= e.model_seconds
   assert e.label == "compiler estimate, TPU v5e" and "compiler estimate" in str(e)
   assert e.valid and 0 < e.fraction_of_roofline <= 1
   assert any("matmul" in name or "pallas" in name for name in e.ops)
