@@ -346,6 +346,18 @@ class Estimate:
             "cycles": self.cycles, "fraction_of_roofline": self.fraction_of_roofline, "valid": self.valid,
             "complete": self.complete, "unmodeled": list(self.unmodeled)}
 
+  def record(self) -> dict:
+    """The fields a stored table keeps (``kernels/data/*.json``): ``us`` is the floored
+    estimate; the model's own time and the floor stay beside it."""
+    r = {"us": round(self.seconds * 1e6, 3), "model_us": round(self.model_seconds * 1e6, 3),
+         "floor_us": round(self.floor_seconds * 1e6, 3), "hbm_bytes": int(self.hbm_bytes),
+         "bytes_method": self.bytes_method, "floored": self.floored, "valid": self.valid}
+    if self.fraction_of_roofline is not None:
+      r["fraction_of_roofline"] = round(self.fraction_of_roofline, 4)
+    if self.unmodeled:
+      r["unmodeled"] = list(self.unmodeled)
+    return r
+
   def __str__(self) -> str:
     s = f"{self.seconds * 1e6:,.1f} us ({self.label}"
     if self.floored:

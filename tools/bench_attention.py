@@ -432,8 +432,7 @@ def estimate_here(peer, c, gen, blocks):
   if e.cycles == 0:
     raise RuntimeError("the cost model reported 0 cycles")
   rl = e.roofline
-  return {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
-          "valid": e.valid, "tflops": round(flops / e.seconds / 1e12, 2),
+  return {**e.record(), "tflops": round(flops / e.seconds / 1e12, 2),
           "fraction_of_mxu_peak": round(flops / e.seconds / rl.peak, 4),
           "vmem_mib": None if e.vmem_bytes is None else round(e.vmem_bytes / 2**20, 2),
           "estimate_seconds": round(time.time() - t0, 1)}

@@ -129,8 +129,7 @@ def estimate_one(case: dict) -> dict:
   flops, nbytes = kernels.matmul_cost(m, k, n)
   t0 = time.time()
   e = kernels.estimate_tpu(fn, *args, generation=gen, flops=flops, bytes_accessed=nbytes)
-  out = {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
-         "valid": e.valid, "wall_seconds": round(time.time() - t0, 1)}
+  out = {**e.record(), "wall_seconds": round(time.time() - t0, 1)}
   if used is not None:
     out["blocks_used"] = [used.bm, used.bk, used.bn]
   out["ops"] = e.ops  # cycles per HLO op: how many kernels (fusions) the program has

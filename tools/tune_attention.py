@@ -76,8 +76,7 @@ def _estimate(gen, seq, heads, blocks, backward, causal=False):
     flops = 3.5 * fwd_flops
   t0 = time.time()
   est = kernels.estimate_tpu(fn, q, q, q, generation=gen, isolate=True, flops=flops, bytes_accessed=nbytes)
-  row = {"us": round(est.seconds * 1e6, 2), "fraction_of_roofline": round(est.fraction_of_roofline, 4),
-         "valid": est.valid, "wall_seconds": round(time.time() - t0)}
+  row = {**est.record(), "wall_seconds": round(time.time() - t0)}
   print(f"  {gen} S={seq} {'causal ' if causal else ''}{'fwd+bwd' if backward else 'fwd'} "
         f"{dataclasses.astuple(blocks)}: {row}", flush=True)
   return row

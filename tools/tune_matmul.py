@@ -105,8 +105,7 @@ def estimate(gen, dtype, m, k, n, blocks=None):
                            dtype=dtype)
   if e.cycles == 0:  # seen for some of XLA's int8 programs: the profile names no op with cycles
     raise KernelError("fn", None, "the cost model reported 0 cycles (no estimate)")
-  return {"us": round(e.seconds * 1e6, 3), "fraction_of_roofline": round(e.fraction_of_roofline, 4),
-          "valid": e.valid}
+  return e.record()
 
 
 # XLA:TPU moves one entry parameter into VMEM before the program starts ("cross-program
