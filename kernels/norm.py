@@ -12,42 +12,35 @@ How the norm kernels work
 
 *Memory bound.* A norm does ~8 FLOPs per element and moves 2 bytes in and 2 out
 (bf16): about 2 FLOP/byte, two orders of magnitude below any TPU's ridge point. Its
-time is the bytes it moves divided by the HBM bandwidth, so the only goals are to
-move each byte once and to keep the DMA engines busy.
+time is the bytes it moves divided by the HBM bandwidth, so the goals are to move each
+byte once and to keep the vector work of a block shorter than its DMAs.
 
 *Tiling.* Rows are independent. The input ``[R, H]`` (leading dimensions flattened,
 a free reshape) is cut into blocks of ``rows x H``: the whole row is in VMEM, so the
-statistics need no second pass over HBM. The grid is ``(cores, steps)``
-(:class:`kernels.pipeline.RowBlocks`): on v4 and v5p the two TensorCores of a megacore
-each take a contiguous half of the blocks. A width that is not a multiple of 128
-(1000, 5120 is fine, 4000) is the block's whole last dimension, which Mosaic's tiling
-rule allows; nothing is padded in HBM. A partial last row block is harmless in the
-forward pass: only the rows that exist are written back.
+statistics need no second pass over HBM. The grid is ``(cdiv(R, rows),)``, one
+"parallel" axis: on v4 and v5p the two TensorCores of a megacore take half the blocks
+each. Every block moves through Pallas's own pipeline (one DMA per block and array,
+double-buffered), inputs and outputs alike. A width that is not a multiple of 128
+(1000, 4000) is the block's whole last dimension, which Mosaic's tiling rule allows;
+nothing is padded in HBM. A partial last row block is harmless in the forward pass:
+Pallas writes back only the rows that exist.
 
 *Chunks.* Inside a block the math runs a few rows at a time (16 rows of bf16 at
 H=4096, about 64 KiB of f32; 8 in the forward kernel), in a loop: a whole block's f32
 temporaries would not fit the 64 vector registers, and every spilled op pays a VMEM
 load and store. Even one chunk's f32 rows (64 registers at H=4096) spill, because they
-live across the row reduction. So at widths of 4096 and more (multiples of 256) the fused add-and-norm
-forward and every backward *stream*: one sweep reads the chunk 256 lanes at a time
-and keeps only lane-partial row sums, a second sweep re-reads the rows from the VMEM
-block for the outputs (:func:`_backward_streamed_kernel`). Re-reading VMEM costs loads
-and unpacks; spilling cost stores, and v5e issues one vector store per cycle.
+live across the row reduction. So at widths of 4096 and more (multiples of 256) the
+fused add-and-norm forward and every backward *stream*: one sweep reads the chunk 256
+lanes at a time and keeps only lane-partial row sums, a second sweep re-reads the rows
+from the VMEM block for the outputs (:func:`_backward_streamed_kernel`). Re-reading
+VMEM costs loads and unpacks; spilling cost stores, and v5e issues one vector store
+per cycle.
 
-*DMAs.* In the compiler's cost model one DMA streams well below the model's HBM
-bandwidth, and several in flight go faster. So the forward kernel with a single row
-input (no residual) reads each block as two DMAs of half the rows (the same array
-passed twice, with index maps ``2b`` and ``2b + 1``: a plain copy at 8192 x 4096 bf16,
-79 -> 64 us on v5e, 42 -> 35 us on v6e). Kernels that already read two or more arrays
-gain nothing from that, and the backward kernel, which is bound by vector work in the
-model, loses. And every kernel writes its row outputs (``y``, ``h``, ``dx``) back
-itself (:mod:`kernels.pipeline`): block ``b`` goes out as several DMAs, started at the
-next step and overlapped with its compute, instead of Pallas's one DMA per block. In
-the model that hides the forward's vector work behind its DMAs (RMS forward, 8192 x
-4096 bf16, with the old rows per block: v6e 45.4 -> 35.6 us, v5e 75.5 -> 56.9 us;
-XLA's fusions: 42.8 and 184.9 us). The number of DMAs is tuned with the rows; 1
-leaves the write-back to Pallas's pipeline, which the model prefers for layer norm at
-width 1024 on v6e.
+*No extra DMAs.* The kernels used to write their outputs back themselves, as several
+DMAs per block, and to read a lone input block as two DMAs of half the rows. Both were
+removed: they won only in the compiler's cost model, which rewards DMAs in flight beyond
+what HBM can deliver; under the bandwidth floor of :func:`kernels.estimate_tpu` they
+move the same bytes and gain nothing.
 
 *Rows per block.* Big enough that the ~0.35 us fixed cost of a grid step is small
 against its DMA, small enough to double-buffer in VMEM. The defaults come from
@@ -73,10 +66,8 @@ rounded once, and on v6e, which adds bf16 natively, no unpacking to f32 and pack
 *Backward* (``custom_vjp``, all in one Pallas kernel). The forward saves its input
 (``h`` with a residual, else ``x``), which the backward re-reads with ``dy``. When the
 backward streams (below), the forward also saves each row's statistics (``rstd``, and
-the mean for layer norm: 4 bytes a row each, lane-dense), so the backward does not
-recompute them; it is bound by vector work, not by HBM, in the cost model (RMS
-add-and-norm forward + backward at 8192 x 4096 bf16: v5e 261.4 -> 254.5 us, v6e
-162.7 -> 158.6 us; layer 296.9 -> 288.8 and 215.5 -> 200.6 us; compiler estimates).
+the mean for layer norm: 4 bytes a row each, lane-dense), so the backward, which the
+cost model finds bound by vector work rather than by HBM, does not recompute them.
 Narrower rows recompute them. With ``c = h - mean`` (layer) or ``c = h`` (RMS),
 ``rstd = 1/sqrt(mean(c^2) + eps)``, ``xhat = c * rstd`` and ``g = dy * scale``::
 
@@ -85,43 +76,28 @@ Narrower rows recompute them. With ``c = h - mean`` (layer) or ``c = h`` (RMS),
   dscale = sum over rows of dy * xhat,   dbias = sum over rows of dy
 
 The second form is what the kernel computes: ``dy * c`` serves both ``dx`` and
-``dscale``, and ``xhat`` is never formed, a few vector ops per element fewer (the cost
-model finds this kernel bound by vector work, not by HBM). The streamed backward forms
-``u = dy * rstd`` and ``us = u * scale`` once per element, in one sweep down the
-block's column slices that writes ``us [+ dh]`` to an f32 VMEM scratch and gathers the
-row sums ``k`` needs (``sum(us * c) = rstd * sum(g * c)``) and the column sums of
-``dscale`` (``u * c``); a last sweep adds ``h * k`` (the row's term) and stores ``dx``.
-The version that formed ``u`` in both of two sweeps did more vector work (compiler
-estimates, add-and-norm forward + backward: layer 288.8 -> 279.3 us on v5e, 200.6 ->
-196.6 us on v6e; RMS 254.5 -> 252.7 us on v5e, 158.6 -> 157.3 us on v6e with 512-row
-backward blocks). With a residual, the
-cotangent of the returned ``h`` is added to ``dx`` in the kernel, and ``x`` and ``r``
-both receive it. ``dscale`` and ``dbias`` are column sums over all rows: each grid step
-accumulates its chunks into an ``(8, H)`` f32 scratch (plain vector adds), then writes
-its own ``[1, H]`` partial sum to a ``[blocks, 1, H]`` output (so the row axis stays
-"parallel" with no race between cores), and a tiny XLA sum adds the partials. A
-partial last block would add stale VMEM (maybe NaN) to those sums, so its
-out-of-range rows are zeroed with a select first.
+``dscale``, and ``xhat`` is never formed, a few vector ops per element fewer. The
+streamed backward forms ``u = dy * rstd`` and ``us = u * scale`` once per element, in
+one sweep down the block's column slices that writes ``us [+ dh]`` to an f32 VMEM
+scratch and gathers the row sums ``k`` needs (``sum(us * c) = rstd * sum(g * c)``) and
+the column sums of ``dscale`` (``u * c``); a last sweep adds ``h * k`` (the row's term)
+and stores ``dx``. With a residual, the cotangent of the returned ``h`` is added to
+``dx`` in the kernel, and ``x`` and ``r`` both receive it. ``dscale`` and ``dbias`` are
+column sums over all rows: each grid step accumulates its chunks into an ``(8, H)`` f32
+scratch (plain vector adds), then writes its own ``[1, H]`` partial sum to a
+``[blocks, 1, H]`` output (so the row axis stays "parallel" with no race between
+cores), and a tiny XLA sum adds the partials. A partial last block would add stale
+VMEM (maybe NaN) to those sums, so its out-of-range rows are zeroed with a select
+first.
 
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the Pallas
 kernel when lowered for TPU and the reference (XLA) elsewhere.
 
 *Estimates.* ``tools/tune_norm.py bench`` stores compiler estimates (libtpu's cost
 model, not measurements) of both kernels and of XLA's jnp composition at 8192 rows in
-``kernels/data/norm_bench.json``; the notebook tabulates them against the nominal HBM
-roofline and against the model's own copy bandwidth (with outputs left to XLA, as here
-and in XLA's fusions, a plain copy is estimated at about twice the published HBM
-bandwidth, so memory-bound estimates beat the nominal roofline). Known weak spots
-there: on v6e the model grants XLA's fusions about twice the bandwidth of any Pallas
-DMA (a plain copy: 21.6 us by XLA, 42.4 us by a Pallas kernel). XLA's RMS norm forward
-at 8192 x 4096 bf16 is estimated at 42.8 us there, though it reads ``x`` from HBM twice
-(its sum-of-squares fusion reads it while an async copy brings all 64 MiB of it into
-VMEM, and the output fusion reads that copy). This kernel was estimated at 45.4 us
-while Pallas's pipeline wrote each output block as one DMA (summing the squares on the
-MXU, 44.5 us, or re-reading the rows instead of spilling them, 48.9 us, did not close
-the gap); writing the outputs back itself as several DMAs a block (*DMAs* above)
-brought it to about 35 us. The model's response to the number of DMAs is erratic, so
-``tools/tune_norm.py`` picks it per generation and width, with the rows.
+``kernels/data/norm_bench.json``. The notebook tabulates them against the HBM roofline
+and against XLA, and shows where the model is known to be unreliable (it lets XLA's
+own fusions on v6e stream faster than any Pallas DMA).
 """
 from __future__ import annotations
 
@@ -135,7 +111,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import pipeline, tiling
+from kernels import tiling
 from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, check
 from kernels.hardware import get_chip
@@ -154,20 +130,14 @@ KINDS = ("layer", "rms")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Rows per grid step of the forward and of the backward kernel (each block is ``rows x H``),
-  and the DMAs each forward output block is written back with.
+  """Rows per grid step of the forward and of the backward kernel (each block is ``rows x H``).
 
   ``None`` picks the per-generation default. A value at least the number of rows
   becomes all the rows; otherwise it must be a multiple of 8 (Mosaic's sublane rule).
-  ``output_dmas`` is a power of two; it is lowered until each DMA's rows keep whole
-  VMEM tiles (:func:`kernels.pipeline.split_for`). 1 leaves the write-back to Pallas's
-  own pipeline (one DMA a block), which the cost model sometimes prefers (layer norm at
-  width 1024 on v6e).
   """
 
   rows: int | None = None
   backward_rows: int | None = None
-  output_dmas: int | None = None
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -199,11 +169,11 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, hidden: int = 4096,
              or entries)
   if not entries:
     isz = jnp.dtype(dtype).itemsize
-    return BlockSizes(*(_pow2_floor(b / (hidden * isz)) for b in _FALLBACK_BYTES), OUTPUT_DMAS)
+    return BlockSizes(*(_pow2_floor(b / (hidden * isz)) for b in _FALLBACK_BYTES))
   best = min(entries, key=lambda e: abs(math.log2(hidden / e["hidden"])))
   scale = best["hidden"] / hidden
-  return BlockSizes(_pow2_floor(best["rows"] * scale), _pow2_floor(best["backward_rows"] * scale),
-                    best.get("output_dmas", OUTPUT_DMAS))
+  # (Other keys of an entry, such as the estimates or an old table's output_dmas, are ignored.)
+  return BlockSizes(_pow2_floor(best["rows"] * scale), _pow2_floor(best["backward_rows"] * scale))
 
 
 # A row of at least this many bytes (and a multiple of 128 wide) is laid out as (H/128, 128) tiles:
@@ -269,7 +239,7 @@ def fit_block_sizes(blocks: BlockSizes, n_rows: int, hidden: int, dtype=jnp.bflo
                                           residual=residual, params=params) + (1 << 20) > c.vmem_bytes:
       rows //= 2
     out.append(n_rows if rows >= n_rows else rows)
-  return BlockSizes(*out, blocks.output_dmas)
+  return BlockSizes(*out)
 
 
 # ---------------------------------------------------------------------------------
@@ -323,10 +293,9 @@ def _check_blocks(block_sizes):
     return BlockSizes(block_sizes, block_sizes)
   if isinstance(block_sizes, BlockSizes):
     return block_sizes
-  if isinstance(block_sizes, (tuple, list)) and len(block_sizes) in (2, 3):
+  if isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2:
     return BlockSizes(*block_sizes)
-  raise KernelError("block_sizes", block_sizes,
-                    "must be None, an int, a BlockSizes or a (rows, backward_rows[, output_dmas]) tuple")
+  raise KernelError("block_sizes", block_sizes, "must be None, an int, a BlockSizes or a (rows, backward_rows) tuple")
 
 
 # ---------------------------------------------------------------------------------
@@ -397,17 +366,6 @@ _UNROLL = 8  # chunk loops longer than this run as a fori_loop unrolled this man
 # width 1024, v5e: 54.1 -> 62.0 us with a 512-row unroll) and keeps its chunks and unroll.
 _FORWARD_CHUNK_ROWS = 8
 _FORWARD_UNROLL_ROWS = 256
-# Each row input of a block is fetched as this many DMAs of rows/INPUT_SPLIT rows (the same array
-# passed that many times, with index maps split*i + j): the compiler's cost model streams one DMA at
-# well below its HBM bandwidth (a plain copy: 79 -> 64 us at 8192 x 4096 bf16 on v5e, 42 -> 35 us on
-# v6e, compiler estimates).
-INPUT_SPLIT = 2
-# Each row output (y, h, dx) is written back by the kernel itself, as several DMAs a block, while
-# the next block is computed (see kernels.pipeline). The forward's count is tuned per generation
-# (BlockSizes.output_dmas; this is the default without a table entry); the backward, bound by vector
-# work in the cost model, is not sensitive to it (RMS add-and-norm backward, 8192 x 4096 bf16, 2, 4
-# or 8 DMAs: 94.3-94.6 us on v6e, 146.8-147.6 us on v5e, compiler estimates) and uses this.
-OUTPUT_DMAS = 4
 
 
 def _chunk_rows(rows: int, hidden: int, dtype, least: int | None = None) -> int:
@@ -420,49 +378,33 @@ def _chunk_rows(rows: int, hidden: int, dtype, least: int | None = None) -> int:
   return rows if c >= rows else c
 
 
-def _split(p: _Problem, rows: int) -> int:
-  """How many DMAs each row input of a block is read with (see _row_in_specs)."""
-  least = 1 if _wide(p.hidden, p.dtype) else tiling.sublane_multiple(p.dtype)
-  return INPUT_SPLIT if rows < p.n_rows and rows % (INPUT_SPLIT * least) == 0 else 1
+def _for_each_chunk(rows: int, chunk: int, body, unroll: int = _UNROLL):
+  """Calls ``body(start, size)`` over ``rows`` rows in chunks (``start``: an int, or a traced
+  multiple of ``chunk``)."""
+  n, rem = divmod(rows, chunk)
+  if n <= unroll:
+    for j in range(n):
+      body(j * chunk, chunk)
+  else:
+    def step(j, carry):
+      body(pl.multiple_of(j * chunk, chunk), chunk)
+      return carry
+    lax.fori_loop(0, n, step, 0, unroll=unroll)
+  if rem:
+    body(n * chunk, rem)
 
 
-def _for_each_chunk(rows: int, split: int, chunk: int, body, unroll: int = _UNROLL):
-  """Calls ``body(part, start, size)`` over each of the ``split`` parts of ``rows`` rows, in chunks
-  (``start`` is within the part: an int, or a traced multiple of ``chunk``)."""
-  n, rem = divmod(rows // split, chunk)
-  for part in range(split):
-    if n <= unroll:
-      for j in range(n):
-        body(part, j * chunk, chunk)
-    else:
-      def step(j, carry, part=part):
-        body(part, pl.multiple_of(j * chunk, chunk), chunk)
-        return carry
-      lax.fori_loop(0, n, step, 0, unroll=unroll)
-    if rem:
-      body(part, n * chunk, rem)
-
-
-def _pop_rows(refs: list, split: int, present: bool = True):
-  """The next row input's ``split`` refs (one per DMA), or None."""
-  if not present:
-    return None
-  out = refs[:split]
-  del refs[:split]
-  return out
-
-
-def _forward_kernel(*refs, p: _Problem, rows: int, split: int, native_add: bool, block=None):
+def _forward_kernel(*refs, p: _Problem, rows: int, native_add: bool):
   refs = list(refs)
-  x_parts = _pop_rows(refs, split)
-  r_parts = _pop_rows(refs, split, p.has_residual)
+  x_ref = refs.pop(0)
+  r_ref = refs.pop(0) if p.has_residual else None
   s_ref = refs.pop(0) if p.has_scale else None
   b_ref = refs.pop(0) if p.has_bias else None
   y_ref = refs.pop(0)
   h_out = refs.pop(0) if p.has_residual else None
   stats_out, cols = (refs.pop(0), refs.pop(0)) if refs else (None, None)  # saved statistics (+ scratch)
-  if p.has_residual and _streams(p.hidden, p.dtype, rows):  # (split is 1 with a residual)
-    _forward_streamed(x_parts[0], r_parts[0], s_ref, b_ref, y_ref, h_out, cols, p=p, rows=rows,
+  if p.has_residual and _streams(p.hidden, p.dtype, rows):
+    _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, cols, p=p, rows=rows,
                       native_add=native_add)
     if cols is not None:
       _pack_row_stats(cols, stats_out, rows)
@@ -471,24 +413,24 @@ def _forward_kernel(*refs, p: _Problem, rows: int, split: int, native_add: bool,
   scale = s_ref[...].astype(jnp.float32) if s_ref is not None else None
   bias = b_ref[...].astype(jnp.float32) if b_ref is not None else None
 
-  def chunk(part, start, size):
-    at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
-    h = x_parts[part][at]
-    if r_parts is not None:
-      h = (_add_native if native_add else _add)(h, r_parts[part][at])
-      h_out[out] = h
+  def chunk(start, size):
+    at = pl.ds(start, size)
+    h = x_ref[at]
+    if r_ref is not None:
+      h = (_add_native if native_add else _add)(h, r_ref[at])
+      h_out[at] = h
     y, mean, rstd = _normalize(h.astype(jnp.float32), p.kind, p.eps, axes)
     if cols is not None:
       for n, v in enumerate(_row_stats(p, mean, rstd)):
-        cols[n, pl.ds(part * (rows // split) + start, size), :] = v
+        cols[n, at, :] = v
     if scale is not None:
       y = y * scale
     if bias is not None:
       y = y + bias
-    y_ref[out] = y.astype(y_ref.dtype)
+    y_ref[at] = y.astype(y_ref.dtype)
 
-  c = _chunk_rows(rows // split, p.hidden, p.dtype, _FORWARD_CHUNK_ROWS)
-  _for_each_chunk(rows, split, c, chunk, max(1, _FORWARD_UNROLL_ROWS // c))
+  c = _chunk_rows(rows, p.hidden, p.dtype, _FORWARD_CHUNK_ROWS)
+  _for_each_chunk(rows, c, chunk, max(1, _FORWARD_UNROLL_ROWS // c))
   if cols is not None:
     _pack_row_stats(cols, stats_out, rows)
 
@@ -528,7 +470,7 @@ def _streams(hidden: int, dtype, rows: int) -> bool:
 # them: for RMS that drops the sum of squares, two of its ~18 vector ops per element (layer also drops
 # its mean sweep). They are stored lane-dense, (rows/128, n_stats, 128) f32 per block: 4 bytes a row
 # and statistic, where a (rows, 1) column would be padded to 128 lanes in HBM. Both passes' blocks
-# must then be multiples of 128 rows. Estimates in the module docstring.
+# must then be multiples of 128 rows.
 def _n_stats(p: _Problem) -> int:
   return 2 if p.kind == "layer" else 1  # (mean,) rstd
 
@@ -629,14 +571,14 @@ def _forward_streamed(x_ref, r_ref, s_ref, b_ref, y_ref, h_out, stat_cols, *, p:
   lax.fori_loop(0, rows // C, chunk, 0, unroll=min(rows // C, _UNROLL))  # (fully unrolled is slower here)
 
 
-def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool, block):
+def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool):
   """The backward in streamed sweeps over the block. (1) Each row's statistics: the forward's, or
   one sweep here. (2) Column slice by column slice down the block: the part of dx that needs no row
   sum, ``u * scale [+ dh]`` with ``u = dy * rstd``, into an f32 VMEM scratch; the row sums that ``k``
   needs (into the coefficient scratch); and the column sums of dscale and dbias, in registers.
   (3) Per chunk of rows, ``k`` [and ``b``], then ``dx = part + h * k [+ b]``. Each input element is
   unpacked from bf16 once in (2) and ``h`` once more in (3): two sweeps that each formed ``u`` and
-  unpacked ``h`` and ``dy`` cost more vector work (see the module docstring)."""
+  unpacked ``h`` and ``dy`` cost more vector work in the cost model."""
   refs = list(refs)
   h_ref, dy_ref = refs.pop(0), refs.pop(0)
   dh_ref = refs.pop(0) if p.has_residual else None
@@ -654,7 +596,7 @@ def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool, 
   C, W = tiling.sublane_multiple(p.dtype), STREAM_COLS
   n_cols, n_chunks, inv_h, f32 = p.hidden // W, rows // C, 1.0 / p.hidden, jnp.float32
   ragged = p.n_rows % rows != 0  # the last block's out-of-range rows hold stale VMEM (maybe NaN)
-  block_start = block * rows if ragged else None
+  block_start = pl.program_id(0) * rows if ragged else None
 
   def load(ref, at, t):
     return ref[at, pl.ds(t * W, W)].astype(f32)
@@ -732,10 +674,10 @@ def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool, 
   _sweep_loop(n_chunks, n_cols, finish, 0)
 
 
-def _backward_kernel(*refs, p: _Problem, rows: int, split: int, block):
+def _backward_kernel(*refs, p: _Problem, rows: int):
   refs = list(refs)
-  h_parts, dy_parts = _pop_rows(refs, split), _pop_rows(refs, split)
-  dh_parts = _pop_rows(refs, split, p.has_residual)
+  h_ref, dy_ref = refs.pop(0), refs.pop(0)
+  dh_ref = refs.pop(0) if p.has_residual else None
   s_ref = refs.pop(0) if p.has_scale else None
   dx_ref = refs.pop(0)
   sums_out = refs[:int(p.has_scale) + int(p.has_bias)]  # this step's column sums: dscale, dbias
@@ -749,14 +691,14 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int, block):
     ref[...] = jnp.zeros(ref.shape, ref.dtype)
   ragged = p.n_rows % rows != 0  # the last block's out-of-range rows hold stale VMEM (maybe NaN)
   # (read here, not in the chunk loop: interpret mode cannot lower program_id inside a fori_loop)
-  block_start = block * rows if ragged else None
+  block_start = pl.program_id(0) * rows if ragged else None
 
-  def chunk(part, start, size):
-    at, out = pl.ds(start, size), pl.ds(part * (rows // split) + start, size)
-    hf = h_parts[part][at].astype(jnp.float32)
+  def chunk(start, size):
+    at = pl.ds(start, size)
+    hf = h_ref[at].astype(jnp.float32)
     c = hf - jnp.mean(hf, axis=axes, keepdims=True) if p.kind == "layer" else hf
     rstd = lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) + p.eps)
-    dy = dy_parts[part][at].astype(jnp.float32)
+    dy = dy_ref[at].astype(jnp.float32)
     # dx = rstd * (g - xhat * mean(g * xhat) [- mean(g)]) with xhat = c * rstd, g = dy * scale, in
     # the form with the fewest vector ops per element (the kernel is VPU-bound in the cost model).
     dyc = dy * c
@@ -765,14 +707,14 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int, block):
     dx = g * rstd + c * (-(rstd * rstd * rstd) * gc)
     if p.kind == "layer":
       dx = dx - rstd * jnp.mean(g, axis=axes, keepdims=True)
-    if dh_parts is not None:
-      dx = dx + dh_parts[part][at].astype(jnp.float32)
-    dx_ref[out] = dx.astype(dx_ref.dtype)
+    if dh_ref is not None:
+      dx = dx + dh_ref[at].astype(jnp.float32)
+    dx_ref[at] = dx.astype(dx_ref.dtype)
     if ds_ref is None and db_ref is None:
       return
     dxhat = dyc * rstd  # dy * xhat
     if ragged:  # keep the out-of-range rows (stale VMEM, maybe NaN) out of the column sums
-      first = block_start + part * (rows // split) + start
+      first = block_start + start
       valid = first + lax.broadcasted_iota(jnp.int32, (size,) + (1,) * len(axes), 0) < p.n_rows
       dy = jnp.where(valid, dy, 0.0)
       dxhat = jnp.where(valid, dxhat, 0.0)
@@ -781,44 +723,36 @@ def _backward_kernel(*refs, p: _Problem, rows: int, split: int, block):
     if db_ref is not None:
       _accumulate(db_ref, dy, wide)
 
-  _for_each_chunk(rows, split, _chunk_rows(rows // split, p.hidden, p.dtype), chunk)
+  _for_each_chunk(rows, _chunk_rows(rows, p.hidden, p.dtype), chunk)
   if not wide:
     for out, acc in zip(sums_out, accs):
       out[...] = jnp.sum(acc[...], axis=0, keepdims=True)
 
 
-def _cores(chip) -> int:
-  """TensorCores that share a kernel's grid: two on megacore chips (v4, v5p), else one."""
-  return chip.tensorcores if chip is not None else 1
-
-
 def _rows_plan(p: _Problem, rows: int, backward: bool):
-  """Checks a row count against the tiling rule and VMEM; returns (RowBlocks, vmem_limit)."""
+  """Checks a row count against the tiling rule and VMEM; returns (grid, vmem_limit)."""
   row = _row_shape(p.hidden, p.dtype)
   tiling.check_block_shape("block_sizes", (rows,) + row, (p.n_rows,) + row)
   chip = target_chip()
   params = int(p.has_scale) + int(p.has_bias)
   footprint = _vmem_bytes(rows, p.hidden, p.dtype, backward=backward, residual=p.has_residual, params=params)
   limit = tiling.vmem_limit(footprint, chip or "v5e", argument="block_sizes", value=rows)
-  return pipeline.RowBlocks(p.n_rows, rows, _cores(chip)), limit
+  return (tiling.cdiv(p.n_rows, rows),), limit
 
 
 def _plan(p: _Problem, blocks: BlockSizes) -> BlockSizes:
   """Rows per block of each pass: explicit rows as given (all rows if they cover them), else the
   per-generation default fitted to VMEM."""
-  for name in ("rows", "backward_rows", "output_dmas"):
+  for name in ("rows", "backward_rows"):
     v = getattr(blocks, name)
     check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), "block_sizes", blocks,
           f"{name} must be a positive int or None")
-  check(blocks.output_dmas is None or blocks.output_dmas & (blocks.output_dmas - 1) == 0, "block_sizes", blocks,
-        "output_dmas must be a power of two")
   chip = target_chip()
   default = default_block_sizes(chip.name if chip else None, p.dtype, p.hidden, p.kind, p.has_residual)
   fitted = fit_block_sizes(default, p.n_rows, p.hidden, p.dtype, residual=p.has_residual,
                            params=int(p.has_scale) + int(p.has_bias), chip=chip)
   return BlockSizes(min(blocks.rows, p.n_rows) if blocks.rows else fitted.rows,
-                    min(blocks.backward_rows, p.n_rows) if blocks.backward_rows else fitted.backward_rows,
-                    blocks.output_dmas or fitted.output_dmas)
+                    min(blocks.backward_rows, p.n_rows) if blocks.backward_rows else fitted.backward_rows)
 
 
 def _bytes(p: _Problem, backward: bool) -> int:
@@ -828,28 +762,21 @@ def _bytes(p: _Problem, backward: bool) -> int:
   return n * (4 if p.has_residual else 2)
 
 
+# On megacore chips (v4, v5p) Mosaic shares the blocks of a "parallel" grid axis among the two
+# TensorCores; no step depends on another (each writes its own output blocks and partial sums).
+_SEMANTICS = ("parallel",)
+
+
 def _vec_spec(p: _Problem):
   """The BlockSpec of a whole ``[H]`` parameter."""
-  return pl.BlockSpec(_vec_shape(p.hidden, p.dtype), lambda c, j: (0, 0))
+  return pl.BlockSpec(_vec_shape(p.hidden, p.dtype), lambda i: (0, 0))
 
 
-def _row_in_specs(p: _Problem, blocks: pipeline.RowBlocks, split: int):
-  """The ``split`` BlockSpecs a row input is read with: part j of block b is sub-block
-  ``split * b + j`` of ``rows / split`` rows, clamped to the last sub-block (a ragged last block's
-  missing parts re-read it; those rows are out of range and never used)."""
+def _row_spec(p: _Problem, rows: int):
+  """The BlockSpec of a block of ``rows`` rows of a ``[R, *row]`` array."""
   row = _row_shape(p.hidden, p.dtype)
-  zeros, sub = (0,) * len(row), blocks.rows // split
-  last = tiling.cdiv(p.n_rows, sub) - 1
-  return [blocks.spec((sub,) + row, lambda b, j=j: (jnp.minimum(split * b + j, last),) + zeros)
-          for j in range(split)]
-
-
-def _row_outputs(p: _Problem, blocks: pipeline.RowBlocks, n: int, dmas: int, hbm: bool) -> pipeline.Outputs:
-  """``n`` row outputs (y [and h], or dx) that the kernel writes back itself, ``dmas`` DMAs a block
-  (1: Pallas's pipeline writes them)."""
-  row = _row_shape(p.hidden, p.dtype)
-  return pipeline.Outputs(blocks, [(row, p.dtype)] * n, pipeline.split_for(blocks.rows, row, p.dtype, dmas), hbm=hbm,
-                          manual=dmas != 1)
+  zeros = (0,) * len(row)
+  return pl.BlockSpec((rows,) + row, lambda i: (i,) + zeros)
 
 
 def _in_hbm(a, interpret):
@@ -864,39 +791,36 @@ def _in_hbm(a, interpret):
   return a if interpret else pltpu.with_memory_space_constraint(a, pltpu.HBM)
 
 
-def _stats_spec(p: _Problem, blocks: pipeline.RowBlocks):
-  """The saved statistics of a block of rows (a multiple of 128): see _n_stats."""
-  return (blocks.spec((blocks.rows // tiling.LANES, _n_stats(p), tiling.LANES)),
+def _stats_spec(p: _Problem, rows: int):
+  """The saved statistics of a block of ``rows`` rows (a multiple of 128): see _n_stats."""
+  return (pl.BlockSpec((rows // tiling.LANES, _n_stats(p), tiling.LANES), lambda i: (i, 0, 0)),
           jax.ShapeDtypeStruct((tiling.cdiv(p.n_rows, tiling.LANES), _n_stats(p), tiling.LANES), jnp.float32))
 
 
-def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, dmas: int, interpret, save_stats: bool = False):
+def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, save_stats: bool = False):
   """(y, h or None, the rows' statistics or None)."""
-  blocks, limit = _rows_plan(p, rows, backward=False)
-  split = 1 if p.has_residual else _split(p, rows)  # (x and r are already two DMAs)
-  row_in = _row_in_specs(p, blocks, split)
-  args, in_specs = [x] * split, list(row_in)
+  grid, limit = _rows_plan(p, rows, backward=False)
+  row_block = _row_spec(p, rows)
+  args, in_specs = [x], [row_block]
   if p.has_residual:
-    args += [r] * split
-    in_specs += row_in
+    args.append(r)
+    in_specs.append(row_block)
   for v in (scale, bias):
     if v is not None:
       args.append(v.reshape(_vec_shape(p.hidden, p.dtype)))
       in_specs.append(_vec_spec(p))
   # y [, h]: left where XLA puts them (placed in HBM, the program copied y out: +19.8 us at 8192 x 4096 on v6e)
-  outs = _row_outputs(p, blocks, 2 if p.has_residual else 1, dmas, hbm=False)
-  out_shape, out_specs, scratch = outs.out_shape(), outs.out_specs(), []
+  out_shape = [jax.ShapeDtypeStruct(x.shape, p.dtype)] * (2 if p.has_residual else 1)
+  out_specs, scratch = [row_block] * len(out_shape), []
   if save_stats:
-    spec, shape = _stats_spec(p, blocks)
+    spec, shape = _stats_spec(p, rows)
     out_specs.append(spec)
     out_shape.append(shape)
     scratch.append(pltpu.VMEM((_n_stats(p), rows, 1), jnp.float32))
-  kernel = functools.partial(_forward_kernel, p=p, rows=rows, split=split, native_add=not interpret)
   call = pl.pallas_call(
-      outs.kernel(kernel, len(args)), grid=blocks.grid, in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch + outs.scratch_shapes(),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=blocks.dimension_semantics,
-                                           vmem_limit_bytes=limit),
+      functools.partial(_forward_kernel, p=p, rows=rows, native_add=not interpret), grid=grid,
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=8 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, False)),
       interpret=interpret, name=f"{p.kind}_norm")
@@ -910,29 +834,28 @@ def _column_sum(partials, p: _Problem):
 
 
 def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpret):
-  blocks, limit = _rows_plan(p, rows, backward=True)
+  grid, limit = _rows_plan(p, rows, backward=True)
   vec = _vec_shape(p.hidden, p.dtype)
-  split = 1  # (split input DMAs make this VPU-bound kernel slower in the cost model: 184 -> 230 us on v5e)
-  row_in = _row_in_specs(p, blocks, split)
-  h, dy = _in_hbm(h, interpret), _in_hbm(dy, interpret)
-  args, in_specs = [h] * split + [dy] * split, row_in * 2
+  row_block = _row_spec(p, rows)
+  args, in_specs = [_in_hbm(h, interpret), _in_hbm(dy, interpret)], [row_block] * 2
   if p.has_residual:
-    args += [_in_hbm(dh, interpret)] * split
-    in_specs += row_in
+    args.append(_in_hbm(dh, interpret))
+    in_specs.append(row_block)
   if p.has_scale:
     args.append(scale.reshape(vec))
     in_specs.append(_vec_spec(p))
   if stats is not None:
     args.append(stats)
-    in_specs.append(_stats_spec(p, blocks)[0])
-  # dx, written back by the kernel, in HBM: left free, XLA put it in VMEM when a program returned it
-  # twice (as the gradient of x and of the residual), next to the kernel's own VMEM, and then ran out
-  # of VMEM (8192 x 4096 bf16 on v5e, v5p and v6e, compiled with the static cost model's flags set).
-  outs = _row_outputs(p, blocks, 1, OUTPUT_DMAS, hbm=not interpret)
-  # One f32 partial column sum per block: no two steps (or cores) write the same block.
+    in_specs.append(_stats_spec(p, rows)[0])
+  # dx is placed in HBM: left free, XLA put it in VMEM when a program returned it twice (as the
+  # gradient of x and of the residual), next to the kernel's own VMEM, and then ran out of VMEM
+  # (8192 x 4096 bf16 on v5e, v5p and v6e, compiled with the static cost model's flags set).
+  # (Interpret mode has no memory spaces.)
+  dx_shape = jax.ShapeDtypeStruct(h.shape, p.dtype) if interpret else pltpu.HBM(h.shape, p.dtype)
+  # One f32 partial column sum per grid step: no two steps (or cores) write the same block.
   n_sums = int(p.has_scale) + int(p.has_bias)
-  out_specs = outs.out_specs() + [blocks.spec((None,) + vec)] * n_sums
-  out_shape = outs.out_shape() + [jax.ShapeDtypeStruct((blocks.n_blocks,) + vec, jnp.float32)] * n_sums
+  out_specs = [row_block] + [pl.BlockSpec((None,) + vec, lambda i: (i, 0, 0))] * n_sums
+  out_shape = [dx_shape] + [jax.ShapeDtypeStruct((grid[0],) + vec, jnp.float32)] * n_sums
   wide = _wide(p.hidden, p.dtype)  # (wide rows accumulate straight into the output block)
   if _streams(p.hidden, p.dtype, rows):
     kernel = functools.partial(_backward_streamed_kernel, p=p, rows=rows, saved_stats=stats is not None)
@@ -941,13 +864,11 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
     if p.has_scale:
       scratch.append(pltpu.VMEM((tiling.sublane_multiple(p.dtype), p.hidden), jnp.float32))
   else:
-    kernel = functools.partial(_backward_kernel, p=p, rows=rows, split=split)
+    kernel = functools.partial(_backward_kernel, p=p, rows=rows)
     scratch = [] if wide else [pltpu.VMEM(_acc_shape(p.hidden, p.dtype), jnp.float32)] * n_sums
   call = pl.pallas_call(
-      outs.kernel(kernel, len(args)), grid=blocks.grid, in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch + outs.scratch_shapes(),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=blocks.dimension_semantics,
-                                           vmem_limit_bytes=limit),
+      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,
                                     bytes_accessed=_bytes(p, True)),
       interpret=interpret, name=f"{p.kind}_norm_backward")
@@ -965,12 +886,11 @@ def _pallas_path(x, r, scale, bias, *, p: _Problem, blocks: BlockSizes, interpre
 
   @jax.custom_vjp
   def f(x, r, scale, bias):
-    y, h, _ = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, dmas=plan.output_dmas, interpret=interpret)
+    y, h, _ = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, interpret=interpret)
     return y if h is None else (y, h)
 
   def f_fwd(x, r, scale, bias):
-    y, h, stats = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, dmas=plan.output_dmas, interpret=interpret,
-                                    save_stats=save)
+    y, h, stats = _pallas_forward(x, r, scale, bias, p=p, rows=plan.rows, interpret=interpret, save_stats=save)
     return (y if h is None else (y, h)), (x if h is None else h, scale, bias, stats)
 
   def f_bwd(res, ct):

@@ -5,11 +5,11 @@ Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate*
 
 * ``tune`` -> ``norm_blocks.json``: for v5e, v5p and v6e, bf16, a few widths
   (8192 rows), layer and RMS norm, with and without the fused residual: the forward at
-  several block sizes (rows x width x 2 bytes from 512 KiB to 4 MiB) times several DMAs per
-  output block (1: Pallas's pipeline, 2, 4, 8), alone and as ``jax.grad`` runs it (the best sum of the two wins),
-  then the backward pass at several sizes (estimated as forward + backward with the best
-  forward). v4 has no cost model: its entries are v5p's (the kernel
-  shrinks blocks that do not fit v4's VMEM). ``--jobs`` estimates run at once.
+  several block sizes (rows x width x 2 bytes from 512 KiB to 4 MiB), alone and as
+  ``jax.grad`` runs it (the best sum of the two wins), then the backward pass at several
+  sizes (estimated as forward + backward with the best forward). v4 has no cost model:
+  its entries are v5p's (the kernel shrinks blocks that do not fit v4's VMEM). ``--jobs``
+  estimates run at once. Entries tuned for an older ``KERNEL_VERSION`` are tuned again.
 * ``bench`` -> ``norm_bench.json``: 8192 rows, widths 1024, 4096 and 16384, bf16, on
   v5e and v6e: layer and RMS norm, with and without the residual, forward alone (and
   forward plus backward at width 4096), ours (default blocks) against XLA's jnp composition
@@ -59,7 +59,6 @@ ROWS = 8192
 TUNE_GENERATIONS = ("v5e", "v5p", "v6e")
 TUNE_WIDTHS = (1024, 4096)
 BLOCK_BYTES = (512 << 10, 1 << 20, 2 << 20, 4 << 20)
-OUTPUT_DMAS = (1, 2, 4, 8)  # DMAs per forward output block (kernels.pipeline; 1: Pallas's pipeline)
 BACKWARD_BLOCK_BYTES = (1 << 20, 2 << 20, 4 << 20)
 BENCH_GENERATIONS = ("v5e", "v6e")
 # A stored result is recomputed unless it carries its implementation's current version:
@@ -68,9 +67,10 @@ BENCH_GENERATIONS = ("v5e", "v6e")
 # streamed column sweeps at widths >= 4096, RMS add-and-norm rows tuned on their own: 2026-11-23);
 # 7: the forward saves the row statistics for the streamed backward; 8: the backward forms u once, the
 # forward computes in 8-row chunks (2026-11-23); 9: the residual is added in the rows' dtype (2026-11-24);
-# 10: the kernels write their row outputs back themselves, several DMAs a block (kernels.pipeline; 2026-11-25).
+# 10: the kernels write their row outputs back themselves, several DMAs a block (kernels.pipeline; 2026-11-25);
+# 11: that write-back and the two-DMA input reads removed, every block on Pallas's pipeline.
 PROGRAM_VERSION = 2
-KERNEL_VERSION = 10
+KERNEL_VERSION = 11
 
 
 def _version(cfg) -> int:
@@ -116,7 +116,7 @@ def _program(cfg):
     return copy, (x,)
   layer = cfg["kind"] == "layer"
   if cfg["impl"] == "ours":
-    blocks = nm.BlockSizes(cfg.get("rows"), cfg.get("backward_rows"), cfg.get("output_dmas"))
+    blocks = nm.BlockSizes(cfg.get("rows"), cfg.get("backward_rows"))
     if layer:
       norm = lambda x, r, s, b: nm.layer_norm(x, s, b, residual=r, block_sizes=blocks)  # noqa: E731
     else:
@@ -173,7 +173,7 @@ def default_rows(cfg) -> dict:
   d = nm.default_block_sizes(cfg["generation"], cfg["dtype"], cfg["hidden"], cfg["kind"], cfg["residual"])
   f = nm.fit_block_sizes(d, ROWS, cfg["hidden"], cfg["dtype"], residual=cfg["residual"],
                          params=2 if cfg["kind"] == "layer" else 1, chip=cfg["generation"])
-  return {"rows": f.rows, "backward_rows": f.backward_rows, "output_dmas": f.output_dmas}
+  return {"rows": f.rows, "backward_rows": f.backward_rows}
 
 
 def _header(description):
@@ -189,32 +189,31 @@ def _sweep(configs: list[dict], jobs: int) -> list[dict]:
 
 def tune(args):
   table = result_tables.load(BLOCKS_OUT) or _header(
-      "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') and DMAs per forward "
-      "output block ('output_dmas') per TPU generation and dtype, for the tuned widths (8192 rows; layer and RMS "
-      "norm, with and without the fused residual, each); a call uses the nearest width and scales the rows to keep "
-      "the block's bytes. Chosen from compiler estimates (libtpu's static cost model): estimates, not "
-      "measurements. v4 (no cost model) copies v5p.")
+      "Default rows per block of kernels.norm (forward 'rows', backward 'backward_rows') per TPU generation and "
+      "dtype, for the tuned widths (8192 rows; layer and RMS norm, with and without the fused residual, each); a "
+      "call uses the nearest width and scales the rows to keep the block's bytes. Chosen from compiler estimates "
+      "(libtpu's static cost model): estimates, not measurements. v4 (no cost model) copies v5p.")
   defaults = table.setdefault("defaults", {})
   for gen in args.generations:
     for hidden, kind, residual in itertools.product(args.widths, args.kinds, (False, True)):
       entries = defaults.setdefault(gen, {}).setdefault("bfloat16", [])
       same = lambda e: (e["hidden"], e.get("kind", "layer"), e.get("residual", True)) == (hidden, kind, residual)  # noqa: E731
-      # (Entries tuned without the forward under grad, an older format, are tuned again.)
-      if any(same(e) and "forward_under_grad" in e for e in entries) and not args.force:
+      # (Entries tuned for an older kernel version are tuned again.)
+      if any(same(e) and e.get("kernel", 0) >= KERNEL_VERSION for e in entries) and not args.force:
         continue
       t0 = time.time()
       base = dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=residual, impl="ours")
-      # The forward: rows x output DMAs, alone and as jax.grad runs it (saving the row statistics at
-      # widths >= 4096), which the cost model can rank differently; the best sum of the two wins.
-      grid = [(max(8, b // (hidden * 2)), d) for b in BLOCK_BYTES for d in OUTPUT_DMAS]
+      # The forward's rows, alone and as jax.grad runs it (saving the row statistics at widths >= 4096),
+      # which the cost model can rank differently; the best sum of the two wins.
+      grid = sorted({max(8, b // (hidden * 2)) for b in BLOCK_BYTES})
       saves = nm._streams(hidden, jnp.bfloat16, 128)  # (narrower rows save nothing: the same program twice)
       modes = ("fwd", "fwdgrad") if saves else ("fwd",)
-      cfgs = [dict(base, mode=m, rows=r, backward_rows=r, output_dmas=d) for m in modes for r, d in grid]
+      cfgs = [dict(base, mode=m, rows=r, backward_rows=r) for m in modes for r in grid]
       est = _sweep(cfgs, args.jobs)
       fwd, fwdgrad = dict(zip(grid, est[:len(grid)])), dict(zip(grid, est[-len(grid):]))
-      for (r, d) in grid:
-        print(f"{gen} {kind} H={hidden} residual={residual} forward rows={r} dmas={d}: {fwd[r, d]}; "
-              f"under grad: {fwdgrad[r, d]}", flush=True)
+      for r in grid:
+        print(f"{gen} {kind} H={hidden} residual={residual} forward rows={r}: {fwd[r]}; under grad: {fwdgrad[r]}",
+              flush=True)
       # The backward (estimated as forward + backward with the forward), for the forwards in order of
       # fwd + fwdgrad: the best whose forward + backward program compiles. (On v5p, XLA can place so
       # many temporaries of the forward + backward program in VMEM that a forward block which compiles
@@ -223,7 +222,7 @@ def tune(args):
                       key=lambda k: fwd[k]["us"] + fwdgrad[k]["us"])
       rows_b = sorted({max(8, b // (hidden * 2)) for b in BACKWARD_BLOCK_BYTES})
       for best in ranked:
-        bwd_cfgs = [dict(base, mode="fwdbwd", rows=best[0], backward_rows=r, output_dmas=best[1]) for r in rows_b]
+        bwd_cfgs = [dict(base, mode="fwdbwd", rows=best, backward_rows=r) for r in rows_b]
         bwd = dict(zip(rows_b, _sweep(bwd_cfgs, args.jobs)))
         for r, v in bwd.items():
           print(f"{gen} {kind} H={hidden} residual={residual} forward+backward rows={best}/{r}: {v}", flush=True)
@@ -231,13 +230,13 @@ def tune(args):
           break
       best_b = min((r for r in bwd if "us" in bwd[r]), key=lambda r: bwd[r]["us"])
       entries[:] = [e for e in entries if not same(e)] + [{
-          "hidden": hidden, "kind": kind, "residual": residual, "rows": best[0], "backward_rows": best_b,
-          "output_dmas": best[1], "forward": fwd[best], "forward_under_grad": fwdgrad[best],
-          "forward_and_backward": bwd[best_b],
-          "forward_sweep": {f"{r}/{d}": v.get("us") for (r, d), v in fwd.items()},
-          "forward_under_grad_sweep": {f"{r}/{d}": v.get("us") for (r, d), v in fwdgrad.items()},
+          "hidden": hidden, "kind": kind, "residual": residual, "rows": best, "backward_rows": best_b,
+          "forward": fwd[best], "forward_under_grad": fwdgrad[best], "forward_and_backward": bwd[best_b],
+          "forward_sweep": {str(r): v.get("us") for r, v in fwd.items()},
+          "forward_under_grad_sweep": {str(r): v.get("us") for r, v in fwdgrad.items()},
           "backward_sweep": {str(r): v.get("us") for r, v in bwd.items()},
-          "tuned": datetime.date.today().isoformat(), "wall_seconds": round(time.time() - t0)}]
+          "kernel": KERNEL_VERSION, "tuned": datetime.date.today().isoformat(),
+          "wall_seconds": round(time.time() - t0)}]
       entries.sort(key=lambda e: (e["hidden"], e.get("kind", "layer"), e.get("residual", True)))
       if "v5p" in defaults:
         defaults["v4"] = {"bfloat16": [dict(e, source="v5p's choice (libtpu has no cost model for v4)")
