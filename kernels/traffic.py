@@ -516,9 +516,13 @@ def _eval_jaxpr(jaxpr, consts, args):
   return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_index_map(closed, idx: list[np.ndarray]) -> list[np.ndarray]:
+class _Opaque:
+  """A scalar-prefetched operand: its values are data, unknown when the program is compiled."""
+
+
+def _eval_index_map(closed, idx: list) -> list[np.ndarray]:
   n = len(idx[0])
-  res = _eval_jaxpr(closed.jaxpr, closed.consts, [i.astype(np.int64) for i in idx])
+  res = _eval_jaxpr(closed.jaxpr, closed.consts, [i.astype(np.int64) if isinstance(i, np.ndarray) else i for i in idx])
   return [np.broadcast_to(np.asarray(r, np.int64), (n,)) for r in res]
 
 
@@ -554,8 +558,6 @@ def pallas_call_traffic(eqn) -> PallasTraffic:
     why = None
     if manual:
       why = "left in HBM for the kernel's own DMAs"
-    elif gm.num_index_operands:
-      why = "index map reads scalar-prefetched data"
     elif not walkable:
       why = f"grid of {n_steps} steps not walked"
     if why:
@@ -573,11 +575,13 @@ def pallas_call_traffic(eqn) -> PallasTraffic:
       starts = [np.zeros(1, np.int64)] * len(dims)
       new = np.ones(1, bool)
     else:
-      try:
-        starts = _eval_index_map(bm.index_map_jaxpr, idx)
-      except NotImplementedError as e:
+      try:  # scalar-prefetch operands are opaque: an index map that reads them cannot be walked
+        starts = _eval_index_map(bm.index_map_jaxpr, idx + [_Opaque()] * gm.num_index_operands)
+      except (NotImplementedError, TypeError) as e:
         total += whole
-        notes.append(f"{name}: {e}; charged once")
+        why = "index map reads scalar-prefetched data" if gm.num_index_operands else str(e)
+        notes.append(f"{name} {'input' if k < n_in else 'output'} {k if k < n_in else k - n_in}: {why}; "
+                     "charged once (compulsory bytes)")
         continue
       new = _runs(starts)
     size = np.ones(int(new.sum()), dtype=np.float64)
