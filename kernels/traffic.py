@@ -109,8 +109,8 @@ class Instr:
     return parse_shape(self.shape)
 
   def called(self, key: str) -> list[str]:
-    m = re.search(key + r"=\{?([^}\s]*(?:,\s*%[\w.\-]+)*)\}?", self.attrs)
-    return [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
+    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.\-]+)", self.attrs)
+    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
 
 
 @dataclasses.dataclass

@@ -71,6 +71,19 @@ def test_loop_trip_count_and_collectives_from_hlo_text():
   assert traffic.compulsory_bytes(_LOOP_HLO) == 2 * array
 
 
+def test_conditional_branches_are_all_counted():
+  hlo = _LOOP_HLO.replace(
+      "%w = (s32[]{:T(128)}, f32[64,128]{1,0:T(8,128)}) while(%init), condition=%cond, body=%body",
+      "%w = (s32[]{:T(128)}, f32[64,128]{1,0:T(8,128)}) conditional(%zero, %init, %init), "
+      "branch_computations={%body, %body2}")
+  hlo = hlo.replace("ENTRY", _LOOP_HLO.split("%cond")[0].split("HloModule m, is_scheduled=true")[1]
+                    .replace("%body", "%body2").replace("%y =", "%y2 =").replace("(%y)", "(%y2)")
+                    .replace("%ar =", "%ar2 =").replace("%ar)", "%ar2)") + "ENTRY")
+  t = traffic.hlo_traffic(hlo)
+  assert t.multiplicity["y"] == 1 and t.multiplicity["y2"] == 1
+  assert any("every branch counted" in n for n in t.notes)
+
+
 def test_unknown_trip_count_is_said():
   hlo = _LOOP_HLO.replace("%n = s32[]{:T(128)} constant(10)", "%n = s32[]{:T(128)} get-tuple-element(%q), index=0")
   t = traffic.hlo_traffic(hlo)
