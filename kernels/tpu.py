@@ -409,6 +409,8 @@ class Traffic:
   notes: list[str]
   collectives: list[str]
   convolutions: list[str]
+  fusion_cycles: dict[str, int]
+  """The compiler's own per-fusion cycle estimates from the HLO (information only)."""
 
 
 def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCompilation | None = None,
@@ -438,7 +440,7 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
   partial |= any("not walked" in n for n in t.notes)
   method = "partly compulsory" if partial else "counted"
   return Traffic(t.hbm_bytes, traffic.compulsory_bytes(comp.hlo), method, t.by_op, t.multiplicity,
-                 notes + t.notes, t.collectives, t.convolutions)
+                 notes + t.notes, t.collectives, t.convolutions, t.fusion_cycles)
 
 
 # libtpu's cost model aborts on some programs; the message says which are known to.
@@ -495,15 +497,19 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         f"libtpu wrote no static profile to {folder}: it was probably loaded before kernels set "
         "LIBTPU_INIT_ARGS (import kernels first, in a fresh process)")
-  if sum(ops.values()) <= 0:
-    raise EstimatorUnavailableError(
-        f"the static profile of this program on TPU {chip.name} adds up to 0 cycles "
-        f"(ops: {', '.join(sorted(ops)[:5])}): the cost model did not model it, so there is no estimate")
   t = hbm_traffic(fn, *args, generation=chip.name, compilation=comp, **kwargs)
   charged = {name: c * t.multiplicity.get(name, 1) for name, c in ops.items()}
   unmodeled = [n for n in t.collectives + t.convolutions if ops.get(n, 0) == 0 and t.by_op.get(n, 0) > 0]
   unmodeled += [n.split(": ")[0] for n in t.notes if "trip count unknown" in n]
+  if sum(ops.values()) <= 0 and not unmodeled:
+    raise EstimatorUnavailableError(
+        f"the static profile of this program on TPU {chip.name} adds up to 0 cycles "
+        f"(ops: {', '.join(sorted(ops)[:5])}): the cost model did not model it, so there is no estimate")
   notes = list(t.notes)
+  for n in unmodeled:
+    if n in t.fusion_cycles:
+      notes.append(f"{n}: charged 0 cycles by the profile; the compiler's fusion cost model says "
+                   f"{t.fusion_cycles[n]:,} cycles (not validated, not counted)")
   if t.method != "counted":
     notes.append("some traffic counted as compulsory bytes (each input read once, each output written once)")
   rl = roofline(flops, bytes_accessed, chip, dtype) if flops is not None and bytes_accessed is not None else None

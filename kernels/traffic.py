@@ -333,6 +333,9 @@ class HloTraffic:
   """Names of the Pallas (tpu_custom_call) instructions, in program order."""
   collectives: list[str]
   convolutions: list[str]
+  fusion_cycles: dict[str, int] = dataclasses.field(default_factory=dict)
+  """The compiler's own per-fusion cost estimate (``estimated_cycles`` in the HLO's backend
+  config), per execution: information only, not validated against the profile."""
 
 
 def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> HloTraffic:
@@ -344,6 +347,7 @@ def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> HloTr
   pallas_bytes = pallas_bytes or {}
   by_op: dict[str, float] = {}
   pallas, collectives, convs = [], [], []
+  fusion_cycles: dict[str, int] = {}
   for comp in comps.values():
     for ins in comp.instrs.values():
       times = mult.get(ins.name, 0)
@@ -365,6 +369,9 @@ def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> HloTr
           notes.append(f"Pallas call {ins.name}: not walked, charged its operands and results once")
       if ins.opcode == "fusion":
         b = _fusion_bytes(comps, comp, ins)
+        cyc = re.search(r'"estimated_cycles"\s*:\s*"(\d+)"', ins.attrs)
+        if cyc:
+          fusion_cycles[ins.name] = int(cyc.group(1))
         if _has(comps, ins, "convolution"):
           convs.append(ins.name)
       elif ins.opcode == "dynamic-update-slice":
@@ -380,7 +387,7 @@ def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> HloTr
         b = _hbm(ins.arrays) + sum(_hbm(comp.instrs[o].arrays) for o in ins.operands if o in comp.instrs)
       if b:
         by_op[ins.name] = times * b
-  return HloTraffic(sum(by_op.values()), mult, by_op, notes, pallas, collectives, convs)
+  return HloTraffic(sum(by_op.values()), mult, by_op, notes, pallas, collectives, convs, fusion_cycles)
 
 
 def compulsory_bytes(hlo: str) -> float:

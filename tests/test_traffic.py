@@ -178,3 +178,18 @@ def test_no_floored_estimate_beats_the_roofline(name, generation):
   e = kernels.estimate_tpu(fn, *args, generation=generation, flops=0, bytes_accessed=nbytes)
   assert e.hbm_bytes >= nbytes * 0.999, str(e)
   assert e.fraction_of_roofline <= 1.0 + 1e-9 and e.valid, str(e)
+
+
+@pytestmark_aot
+def test_a_convolution_the_model_leaves_at_zero_makes_the_estimate_incomplete():
+  # libtpu 0.0.42's profile charges this 3x3 convolution fusion 0 cycles on v5e (it charges
+  # 28x28x512 with the same FLOPs); whichever way a libtpu goes, the estimate must say so.
+  def conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  e = kernels.estimate_tpu(conv, sds(32, 56, 56, 256), sds(3, 3, 256, 256), generation="v5e")
+  convs = [n for n in e.ops if e.ops[n] == 0 and n in e.unmodeled]
+  if e.model_seconds == 0 or convs:
+    assert not e.complete and not e.valid and "INCOMPLETE" in str(e)
+    assert e.seconds == e.floor_seconds > 0
+  else:
+    assert e.complete and e.model_seconds > 0
