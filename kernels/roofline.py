@@ -87,15 +87,33 @@ def plot_roofline(ax, chip="v5e", points=(), dtype="bfloat16", intensity_range=(
   """Draws the roofline of ``chip`` on a matplotlib ``ax``.
 
   ``points`` is an iterable of ``(label, intensity, flops_per_second)``; each is drawn
-  as a marker, so a kernel's achieved (or estimated) rate sits under the roof.
+  as a marker, so a kernel's achieved (or estimated) rate sits under the roof. A label
+  that names an implementation (``"ours"``, or ``"ours: 1024³"``; see
+  :func:`kernels.style.find`) takes that implementation's colour and marker from
+  :mod:`kernels.style`, appears once in the legend, and the text after ``':'`` is
+  written beside the point.
   """
+  from kernels import style
+
   c = get_chip(chip)
   peak = c.peak(dtype)
   x = np.logspace(np.log10(intensity_range[0]), np.log10(intensity_range[1]), 256)
-  ax.loglog(x, np.minimum(peak, x * c.hbm_bandwidth) / 1e12, color="black", lw=1.5, label=f"{c.name} roofline")
-  ax.axvline(peak / c.hbm_bandwidth, color="gray", ls=":", lw=1)
+  ax.loglog(x, np.minimum(peak, x * c.hbm_bandwidth) / 1e12, lw=1.5,
+            **style.of("roofline", label=f"{c.name} roofline"))
+  ridge = peak / c.hbm_bandwidth
+  ax.axvline(ridge, color="gray", ls=":", lw=1, label=f"ridge point ({ridge:.0f} FLOP/B)")
+  named = set()
   for label, intensity, rate in points:
-    ax.loglog([intensity], [rate / 1e12], "o", label=label)
+    impl = style.find(label)
+    if impl is None:
+      ax.loglog([intensity], [rate / 1e12], "o", label=label)
+      continue
+    ax.loglog([intensity], [rate / 1e12], ls="none", **style.of(impl, label=("_" if impl in named else "") + impl))
+    named.add(impl)
+    note = label.split(":", 1)[1].strip() if ":" in label else ""
+    if note:
+      ax.annotate(note, (intensity, rate / 1e12), xytext=(0, -6), textcoords="offset points", fontsize=7,
+                  rotation=90, ha="center", va="top")
   ax.set_xlabel("arithmetic intensity (FLOP/byte)")
   ax.set_ylabel("TFLOP/s")
   ax.grid(True, which="both", alpha=0.3)
