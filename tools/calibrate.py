@@ -107,16 +107,19 @@ CASES = [
 ]
 
 
-def run_case(c: dict) -> dict:
+def program(c: dict):
+  """(function, argument specs, FLOPs, roofline bytes) of case ``c`` (``tools/refloor.py`` counts its HBM bytes)."""
   n = c["size"]
   x = jax.ShapeDtypeStruct((n, n), DTYPE)
   flops, bytes_accessed = kernels.matmul_cost(n, n, n, DTYPE)
-  if c["kernel"] == "pallas":
-    fn = functools.partial(pallas_matmul, **c["blocks"])
-  else:
-    fn = xla_matmul
+  fn = functools.partial(pallas_matmul, **c["blocks"]) if c["kernel"] == "pallas" else xla_matmul
+  return fn, (x, x), flops, bytes_accessed
+
+
+def run_case(c: dict) -> dict:
+  fn, args, flops, bytes_accessed = program(c)
   t0 = time.perf_counter()
-  est = kernels.estimate_tpu(fn, x, x, generation=c["generation"], flops=flops, bytes_accessed=bytes_accessed)
+  est = kernels.estimate_tpu(fn, *args, generation=c["generation"], flops=flops, bytes_accessed=bytes_accessed)
   wall = time.perf_counter() - t0
   chip = kernels.get_chip(c["generation"])
   return {
@@ -129,6 +132,8 @@ def run_case(c: dict) -> dict:
       "model_seconds": est.model_seconds,
       "floor_seconds": est.floor_seconds,
       "hbm_bytes": est.hbm_bytes,
+      "bytes_method": est.bytes_method,
+      "floored": est.floored,
       "flops": flops,
       "bytes_accessed": bytes_accessed,
       "tflops_per_second": flops / est.seconds / 1e12,

@@ -87,8 +87,9 @@ def _args(m, k, n, dtype):
   return args
 
 
-def estimate(gen, dtype, m, k, n, blocks=None):
-  """Compiler estimate (seconds, fraction of roofline, valid) of ours (``blocks``) or XLA (None)."""
+def program(dtype, m, k, n, blocks=None):
+  """(function, argument specs, FLOPs, roofline bytes) of ours at ``blocks``, or of XLA (None):
+  the program :func:`estimate` estimates (``tools/refloor.py`` counts its HBM bytes)."""
   out_dtype = jnp.bfloat16 if jnp.dtype(dtype) == jnp.int8 else dtype
   flops, nbytes = kernels.matmul_cost(m, k, n, dtype=dtype, out_dtype=out_dtype)
   if blocks is None:
@@ -101,8 +102,13 @@ def estimate(gen, dtype, m, k, n, blocks=None):
         return a @ b
   else:
     fn = _fn(dtype, blocks)
-  e = kernels.estimate_tpu(fn, *_args(m, k, n, dtype), generation=gen, flops=flops, bytes_accessed=nbytes,
-                           dtype=dtype)
+  return fn, _args(m, k, n, dtype), flops, nbytes
+
+
+def estimate(gen, dtype, m, k, n, blocks=None):
+  """Compiler estimate (seconds, fraction of roofline, valid) of ours (``blocks``) or XLA (None)."""
+  fn, args, flops, nbytes = program(dtype, m, k, n, blocks)
+  e = kernels.estimate_tpu(fn, *args, generation=gen, flops=flops, bytes_accessed=nbytes, dtype=dtype)
   if e.cycles == 0:  # seen for some of XLA's int8 programs: the profile names no op with cycles
     raise KernelError("fn", None, "the cost model reported 0 cycles (no estimate)")
   return e.record()
