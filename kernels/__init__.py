@@ -4,7 +4,7 @@
 (see :mod:`kernels._env`); import it before JAX initialises a backend.
 """
 from kernels import _env  # noqa: F401  (must run before libtpu loads)
-from kernels import backend, errors, hardware, roofline, tiling, timing, tpu
+from kernels import backend, errors, hardware, roofline, style, tiling, timing, tpu, traffic
 from kernels.backend import dispatch, target_chip
 from kernels.errors import (CompileError, EstimatorUnavailableError, KernelError, NoImplementationError,
                             TilingError, VmemOverflowError)
@@ -14,7 +14,7 @@ from kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_re
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
-from kernels.tpu import Estimate, TpuCompilation, compile_for_tpu, estimate_tpu, estimator_available
+from kernels.tpu import Estimate, TpuCompilation, compile_for_tpu, estimate_tpu, estimator_available, hbm_traffic
 
 __version__ = "0.1.0"
 
@@ -25,5 +25,6 @@ __all__ = [
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",
+    "hbm_traffic",
     "matmul_cost", "roofline_of", "target_chip",
 ]
