@@ -396,25 +396,8 @@ def estimator_available() -> bool:
   return _env.STATIC_PROFILE_DIR is not None and available()
 
 
-@dataclasses.dataclass
-class Traffic:
-  """HBM bytes of a compiled program (see :mod:`kernels.traffic`)."""
-
-  hbm_bytes: float
-  compulsory_bytes: float
-  """Each argument read once and each result written once."""
-  method: str
-  by_op: dict[str, float]
-  multiplicity: dict[str, int]
-  notes: list[str]
-  collectives: list[str]
-  convolutions: list[str]
-  fusion_cycles: dict[str, int]
-  """The compiler's own per-fusion cycle estimates from the HLO (information only)."""
-
-
 def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCompilation | None = None,
-                **kwargs) -> Traffic:
+                **kwargs) -> traffic.Traffic:
   """Counts the HBM bytes ``fn(*args, **kwargs)`` moves on ``generation`` (compiling it
   unless ``compilation`` is given): Pallas calls by walking their grids, XLA ops from the
   optimised HLO, loop bodies times their trip counts."""
@@ -438,9 +421,7 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
       notes.append(f"Pallas calls not walked ({type(e).__name__}: {str(e)[:200]}); charged once")
   t = traffic.hlo_traffic(comp.hlo, pallas)
   partial |= any("not walked" in n for n in t.notes)
-  method = "partly compulsory" if partial else "counted"
-  return Traffic(t.hbm_bytes, traffic.compulsory_bytes(comp.hlo), method, t.by_op, t.multiplicity,
-                 notes + t.notes, t.collectives, t.convolutions, t.fusion_cycles)
+  return dataclasses.replace(t, notes=notes + t.notes, method="partly compulsory" if partial else "counted")
 
 
 # libtpu's cost model aborts on some programs; the message says which are known to.

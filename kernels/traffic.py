@@ -324,9 +324,12 @@ def _has(comps, ins: Instr, opcode: str) -> bool:
 
 
 @dataclasses.dataclass
-class HloTraffic:
+class Traffic:
+  """HBM bytes of a compiled program, and what was learnt counting them."""
+
   hbm_bytes: float
   multiplicity: dict[str, int]
+  """How many times each HLO instruction runs (loop trip counts)."""
   by_op: dict[str, float]
   notes: list[str]
   pallas_calls: list[str]
@@ -336,9 +339,13 @@ class HloTraffic:
   fusion_cycles: dict[str, int] = dataclasses.field(default_factory=dict)
   """The compiler's own per-fusion cost estimate (``estimated_cycles`` in the HLO's backend
   config), per execution: information only, not validated against the profile."""
+  compulsory_bytes: float = 0.0
+  """Each argument read once and each result written once."""
+  method: str = "counted"
+  """``"counted"``, or ``"partly compulsory"`` when some part could not be walked."""
 
 
-def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> HloTraffic:
+def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> Traffic:
   """Counts the HBM bytes of an optimised TPU HLO module. ``pallas_bytes`` maps a Pallas
   custom call's instruction name to its counted traffic (per call); a call missing from it
   is charged its operands and results once."""
@@ -387,7 +394,8 @@ def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> HloTr
         b = _hbm(ins.arrays) + sum(_hbm(comp.instrs[o].arrays) for o in ins.operands if o in comp.instrs)
       if b:
         by_op[ins.name] = times * b
-  return HloTraffic(sum(by_op.values()), mult, by_op, notes, pallas, collectives, convs, fusion_cycles)
+  return Traffic(sum(by_op.values()), mult, by_op, notes, pallas, collectives, convs, fusion_cycles,
+                 compulsory_bytes(hlo))
 
 
 def compulsory_bytes(hlo: str) -> float:
