@@ -197,7 +197,8 @@ def _bandwidth(gen):
 def refloor_record(r, res, gen, flops=None, peak=None):
   """Re-states the record ``r`` (``us`` = the model's time) on the floored estimate, in place."""
   model_us = r["us"]
-  old_roofline_us = r["fraction_of_roofline"] * model_us if "fraction_of_roofline" in r else None
+  old_fraction = r.get("fraction_of_roofline")
+  old_roofline_us = old_fraction * model_us if old_fraction else None
   floor_us = res["hbm_bytes"] / _bandwidth(gen) * 1e6
   us = max(model_us, floor_us)
   frac = res["roofline_us"] / us
@@ -216,14 +217,15 @@ def refloor_record(r, res, gen, flops=None, peak=None):
       out[k] = new.get(k, v)
   r.clear()
   r.update(out)
-  return _check(old_roofline_us, res["roofline_us"])
+  return _check(old_roofline_us, res["roofline_us"], old_fraction)
 
 
-def _check(old, new):
-  """A warning when the stored roofline (fraction * time) is not the one recomputed."""
+def _check(old, new, fraction=None):
+  """A warning when the stored roofline (fraction * time) is not the one recomputed, beyond the
+  rounding of the stored fraction (4 decimals)."""
   if old is None or new <= 0:
     return None
-  if abs(old - new) / new > 2e-3 + 1e-4 * new / max(old, 1e-12):
+  if abs(old - new) / new > 1e-3 + (0.5e-4 / fraction if fraction else 0.0):
     return f"stored roofline {old:.3f} us differs from the recomputed {new:.3f} us"
   return None
 
@@ -431,6 +433,11 @@ def sync(name, table, log=print):
     sync_matmul_blocks(table)
   elif name == "attention_blocks":
     sync_attention_blocks(table, log)
+    table.setdefault("refloored", {})["programs"] = (
+        f"hbm_bytes counted on the kernels tools/tune_attention.py estimated: forward_candidates on kernels/ of "
+        f"commit {ATTENTION_BLOCKS_KERNELS['forward']}, backward_candidates on commit "
+        f"{ATTENTION_BLOCKS_KERNELS['backward']} (separate dq kernel) under the forward blocks then chosen ("
+        + ", ".join(f"{g} {q}/{kv}" for g, (q, kv) in ATTENTION_BWD_FORWARD_BLOCKS.items()) + ")")
   elif name == "attention_bench":
     sync_attention_bench(table)
     conv = table.setdefault("conventions", {})
@@ -504,8 +511,10 @@ def report(name, args):
       if "floor_us" in x or "floor_seconds" in x:
         recs.append((path, x))
         return
+      copies = (("default", "best") if "tried" in x else ()) + (
+          ("forward", "forward_backward") if "forward_candidates" in x else ())  # copies of other records
       for k, v in x.items():
-        if k not in ("default", "best", "forward", "forward_backward"):  # copies of other records
+        if k not in copies:
           walk(v, f"{path}/{k}")
     elif isinstance(x, list):
       for i, v in enumerate(x):

@@ -64,7 +64,9 @@ def _problem(seq, heads, causal):
   return q, fwd_flops, 4 * q.size * 2
 
 
-def _estimate(gen, seq, heads, blocks, backward, causal=False):
+def program(seq, heads, blocks, backward, causal=False):
+  """(function, argument specs, FLOPs, roofline bytes) of the program :func:`_estimate` estimates
+  (``tools/refloor.py`` counts its HBM bytes)."""
   q, fwd_flops, nbytes = _problem(seq, heads, causal)
 
   def f(q, k, v):
@@ -74,8 +76,13 @@ def _estimate(gen, seq, heads, blocks, backward, causal=False):
   if backward:
     fn = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     flops = 3.5 * fwd_flops
+  return fn, (q, q, q), flops, nbytes
+
+
+def _estimate(gen, seq, heads, blocks, backward, causal=False):
+  fn, args, flops, nbytes = program(seq, heads, blocks, backward, causal)
   t0 = time.time()
-  est = kernels.estimate_tpu(fn, q, q, q, generation=gen, isolate=True, flops=flops, bytes_accessed=nbytes)
+  est = kernels.estimate_tpu(fn, *args, generation=gen, isolate=True, flops=flops, bytes_accessed=nbytes)
   row = {**est.record(), "wall_seconds": round(time.time() - t0)}
   print(f"  {gen} S={seq} {'causal ' if causal else ''}{'fwd+bwd' if backward else 'fwd'} "
         f"{dataclasses.astuple(blocks)}: {row}", flush=True)
