@@ -2,12 +2,13 @@
 
 ``kernels.estimate_tpu`` floors its time at the program's HBM bytes over the published
 bandwidth (:class:`kernels.tpu.Estimate`). Tables written before that hold the cost
-model's time alone. Their kernels have not changed, so each stored time is still the
-model's; what is missing is the program's counted HBM bytes. For every stored estimate
-this script rebuilds the program its tool estimated (with the tool's own builder:
+model's time alone, which stays valid for the program that was estimated; what is
+missing is that program's counted HBM bytes. For every stored estimate this script
+rebuilds the program its tool estimated (with the tool's own builder:
 ``calibrate.program``, ``bench_matmul._program``, ``tune_matmul.program``,
 ``tune_attention.program``, ``bench_attention.build``; same blocks, layouts, libtpu
-flags), counts its bytes with :func:`kernels.tpu.hbm_traffic` in a child process that
+flags; attention_blocks' candidates on the kernels of the commits that estimated them),
+counts its bytes with :func:`kernels.tpu.hbm_traffic` in a child process that
 only compiles (``KERNELS_STATIC_PROFILE=0``: no cost model, much faster), and writes back
 
 * ``model_us`` = the stored ``us``, ``hbm_bytes``, ``bytes_method``,
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import subprocess
 import sys
@@ -76,13 +76,13 @@ ATTENTION_BLOCKS_KERNELS = {"forward": "72bcfd9", "backward": "d7ddba2"}
 def kernels_tree(commit):
   """A folder holding ``kernels/`` as of ``commit`` with today's byte counter (made once)."""
   folder = os.path.join(tempfile.gettempdir(), f"refloor-kernels-{commit}")
-  if not os.path.exists(os.path.join(folder, "kernels", "traffic.py")):
-    import shutil
+  import shutil
+  if not os.path.exists(os.path.join(folder, "kernels", "attention.py")):
     os.makedirs(folder, exist_ok=True)
     archive = subprocess.run(["git", "-C", ROOT, "archive", commit, "kernels"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    for f in ("tpu.py", "traffic.py"):
-      shutil.copy(os.path.join(ROOT, "kernels", f), os.path.join(folder, "kernels", f))
+  for f in ("tpu.py", "traffic.py"):  # today's counter, every time
+    shutil.copy(os.path.join(ROOT, "kernels", f), os.path.join(folder, "kernels", f))
   return folder
 
 
