@@ -443,17 +443,6 @@ ESTIMATE_TIMEOUT = 3600
 MAX_RSS_GB = 8.0  # this machine has 24 GB shared by several jobs (--max-rss-gb when alone)
 
 
-def _rss_gb(pid) -> float:
-  try:
-    with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
-      for line in fh:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1]) / 2**20
-  except OSError:
-    pass
-  return 0.0
-
-
 # XLA:TPU may copy one entry parameter into VMEM before the program starts ("cross-program
 # prefetch"); the cost model does not charge that copy, and on a Pallas kernel's input it
 # makes the kernel read VMEM (estimates faster than the roofline) or aborts the cost model
@@ -483,7 +472,7 @@ def estimate_isolated(peer, c, gen, blocks, timeout=None):
         t0, peak = time.time(), 0.0
         while proc.poll() is None:
           time.sleep(1)
-          peak = max(peak, _rss_gb(proc.pid))
+          peak = max(peak, result_tables.rss_gb(proc.pid))
           if peak > MAX_RSS_GB or time.time() - t0 > timeout:
             proc.kill()
             proc.wait()

@@ -137,17 +137,6 @@ def child(specs):
     print(json.dumps(out), flush=True)
 
 
-def _rss_gb(pid) -> float:
-  try:
-    with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
-      for line in fh:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1]) / 2**20
-  except OSError:
-    pass
-  return 0.0
-
-
 def run_child(specs, flags, timeout, max_rss_gb, kernels_tree=None):
   """Runs :func:`child` on ``specs`` in a fresh process compiled with libtpu ``flags``; {id: result}."""
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0", LIBTPU_INIT_ARGS=flags)
@@ -162,7 +151,7 @@ def run_child(specs, flags, timeout, max_rss_gb, kernels_tree=None):
       t0, why = time.time(), None
       while proc.poll() is None:
         time.sleep(1)
-        if _rss_gb(proc.pid) > max_rss_gb:
+        if result_tables.rss_gb(proc.pid) > max_rss_gb:
           why = f"the counting process exceeded {max_rss_gb:g} GB of RAM"
         elif time.time() - t0 > timeout:
           why = f"the batch took longer than {timeout:g} s"
