@@ -24,15 +24,13 @@ the soft cap, bias and masks, and updates the online softmax: a running row maxi
 ``acc = exp(m_old - m) * acc + exp(s - m) @ v``. The last kv step writes
 ``acc / l`` and ``lse = m + log(l)`` (an output used by the backward pass).
 ``scale`` is folded into the q tile (``block_q x head_dim`` multiplies instead of
-``block_q x block_kv``). Three details matter to speed (compiler estimates,
-non-causal, D=128, 2 heads): ``m`` is kept lane-replicated, ``(block_q, 128)`` with
-the row's value in every lane, so using it against a tile is whole-vreg copies rather
-than a lane broadcast per step (v6e, S=4096, BSHD: 102.2 -> 77.4 us); ``l`` is kept as
-``(block_q, 128)`` lane partial sums, reduced across lanes once, at the end (S=8192:
-v5e 419.6 -> 386.5 us, v6e 208.4 -> 192.1 us); and the math of a step walks its kv
-block in sub-blocks of ``KV_COMPUTE`` (512) keys, so the f32 score tiles are
-``block_q x 512`` while the DMA block stays large (v5e, S=4096, BHSD: 121.9 -> 116.7 us;
-v6e, BSHD: 77.4 -> 74.5 us).
+``block_q x block_kv``). Three details matter to speed: ``m`` is kept lane-replicated,
+``(block_q, 128)`` with the row's value in every lane, so using it against a tile is
+whole-vreg copies rather than a cross-lane broadcast per step; ``l`` is kept as
+``(block_q, 128)`` lane partial sums (whole-vreg adds), reduced across lanes once, at the
+end, rather than once per step; and the math of a step walks its kv block in sub-blocks
+of ``KV_COMPUTE`` (512) keys, so the f32 score tiles are ``block_q x 512`` (fewer live
+temporaries) while the DMA block stays large (fewer grid steps).
 
 *GQA / MQA.* ``k``/``v`` have ``kv_heads`` dividing ``heads``; q head ``h`` reads kv
 head ``h // (heads / kv_heads)`` through the index map. Nothing is repeated in HBM.
@@ -73,7 +71,7 @@ dq grids instead pair row ``u`` with row ``nq - 1 - u``: ``u + 1`` steps for the
 first, ``nq - u`` for the second, ``nq + 1`` in all, none skipped. The dk/dv grid
 pairs kv blocks the same way, with the GQA group innermost. With a sliding window the
 forward and dq grids walk only the ``band`` kv blocks a q block can need, from its
-first one on (v5e, causal W=1024 at S=8192: 120.5 -> 114.6 us, compiler estimates).
+first one on, rather than every kv block with most of them skipped.
 
 *Fully masked rows* (a query with no visible key: ``q_len > kv_len`` with causal,
 segments that match nothing, a mask row of ``False``) give output 0, gradient 0
@@ -106,10 +104,9 @@ its output block fit ``FUSED_DQ_VMEM`` (1/8) of the chip's VMEM, the dk/dv kerne
 also adds ``ds^T k`` (``dq += ds k`` from the transposed tile it holds) into a VMEM
 accumulator of all the group's q rows and writes dq at the last step of each (batch,
 kv head); its kv-block axis is then sequential. The exponentials and the ``s`` and
-``dp`` matmuls are not recomputed by a dq kernel: non-causal forward+backward at
-S=4096 (compiler estimates) v5e 437.8 -> 347.1 us, v6e 210.2 -> 163.6 us; causal
-v5e 263.0 -> 212.3 us, v6e 138.4 -> 113.4 us. Longer sequences and a bias (whose
-gradient the dq kernel writes) use the dq kernel.
+``dp`` matmuls are then not recomputed by a dq kernel, and q, k, v and dO are not read
+a second time. Longer sequences and a bias (whose gradient the dq kernel writes) use
+the dq kernel.
 
 *bf16 exponentials on v6e* (its EUP has a bf16 path; v4 and v5 do not) are
 implemented for bf16 inputs without dropout (the probabilities go to the MXU in
@@ -121,16 +118,15 @@ the defaults per generation come from ``kernels/data/attention_blocks.json``,
 written by ``tools/tune_attention.py`` from compiler estimates (the forward: causal
 and non-causal at S=8192); without an entry, 1024/1024 forward and 512/512 backward
 (512 throughout on v4, 16 MiB of VMEM). Large blocks cost a causal kernel little,
-since the masked tiles skip most of a diagonal block: causal S=2048 on v5e is
-estimated at 20.2 us in one 2048 block, 23.5 us in 1024 blocks.
+since the masked tiles skip most of a diagonal block, and they mean fewer grid steps
+and fewer re-reads of K and V (which are read once per q block).
 
 *What libtpu's cost model cannot see.* It evaluates a scalar ``lax.div`` / ``lax.rem``
 as 0. The skip tests are therefore products and comparisons (:func:`_tile_needed`),
 the block ranges of the index maps shift when the block is a power of two
 (:func:`_floor_div`), and the dk/dv grid has separate group and q-block axes rather
-than a divided one. Before that (until 2026-11-22) the model charged one kv block per
-causal q row, and every causal estimate of this kernel was far too fast (v5e, causal
-S=8192: 92.4 us, 189% of the roofline; 279.6 us once the division was gone).
+than a divided one. With a division in a block range the model charges one kv block
+per causal q row, and a causal estimate comes out faster than the roofline allows.
 
 *libtpu's cost model* (``kernels.estimate_tpu``) aborts the process on some code
 shapes that compile fine, so the kernels avoid them: a single block shorter than
@@ -139,24 +135,11 @@ the sinks and the dropout seed are (8, 128) VMEM tiles, not SMEM scalars. The
 forward with dropout still aborts it (compiles, cannot be estimated), and one
 backward (S=2048, GQA, BSHD, 512 blocks) aborted it once in a test run.
 
-Estimates of flash attention
-----------------------------
-Compiler estimates (libtpu's cost model via :func:`kernels.estimate_tpu`, jax 0.10.2),
-bf16, batch 1, head_dim 128, BHSD, seen while developing
-(``kernels/data/attention_bench.json`` and ``attention_blocks.json`` hold the rest):
-
-* Non-causal forward, S=4096, 8 heads, v5e: 875.4 us at 512/512 blocks, 471.6 us at
-  1024/1024 (74.0% of the MXU roofline); with the lane-replicated ``m``/``l`` and the
-  512-key sub-blocks, S=8192 and 2 heads: 446.9 us (78.0%); v6e 223.1 us.
-* Causal forward, S=8192, 2 heads, after the division fix (causal estimates from
-  before 2026-11-23 are void, see above): v5e 279.6 us at 1024/1024; with the
-  masked tiles 267.9 us; with the folded grid 250.3 us (69.7% of the causal
-  roofline), 240.1 us at 2048/2048 (72.6%); v6e 142.3 us and 136.2 us. With ``l``
-  as lane partial sums: v5e 224.2 us (77.8%); non-causal v5e 386.5 us (90.3%).
-  With the diagonal blocks in tall tiles: v5e 216.3 us (80.6%), v6e 116.0 us; the
-  causal forward+backward at S=4096: v5e 271.5 -> 263.0 us, v6e 150.1 -> 138.4 us.
-  The same static patterns along a window's edges: causal W=1024 at S=8192, v5e
-  104.9 -> 93.0 us, v6e 79.7 -> 66.8 us.
+*Estimates.* Compiler estimates of this kernel (libtpu's cost model via
+:func:`kernels.estimate_tpu`) against XLA, JAX's Pallas flash attention and splash are
+stored in ``kernels/data/attention_bench.json`` (``tools/bench_attention.py``) and
+``attention_blocks.json`` (``tools/tune_attention.py``); the flash-attention notebook
+tabulates them against the roofline.
 """
 from __future__ import annotations
 
@@ -212,9 +195,9 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
-# Used when the table lacks the generation: 1024 x 1024 forward tiles (fastest of 512/512,
-# 1024/512 and 1024/1024 in the v5e estimates of the module docstring), 512 x 512 backward;
-# v4's 16 MiB of VMEM takes 512 x 512 tiles throughout.
+# Used when the table lacks the generation: 1024 x 1024 forward tiles (fewer grid steps and
+# fewer re-reads of K and V than 512-row blocks), 512 x 512 backward (more live f32 temporaries
+# per tile); v4's 16 MiB of VMEM takes 512 x 512 tiles throughout.
 _FALLBACK = BlockSizes(1024, 1024, 512, 512)
 _FALLBACK_SMALL_VMEM = BlockSizes(512, 512, 512, 512)
 
@@ -523,8 +506,7 @@ def _vmem(p: _Problem, bq: int, bkv: int, nblocks_q: int, nblocks_kv: int, acc: 
 # aborts on it, so it stays off until it can be estimated (set True to try it on a v6e).
 _EXP_BF16 = False
 # The forward's math runs on kv sub-blocks of this many keys inside a kv block (the DMA block stays
-# bkv): smaller f32 score tiles. Compiler estimates, causal=False, S=4096, D=128, 2 heads, BHSD,
-# 1024/1024 blocks: v5e 121.9 -> 116.7 us (whole block -> 512); v6e 77.4 -> 74.5 us (BSHD).
+# bkv): smaller f32 score tiles, fewer temporaries live at once.
 KV_COMPUTE = 512
 
 
@@ -588,8 +570,7 @@ def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
 # The backward's dk/dv kernel also computes dq (ds^T k, from the ds it already has) into a VMEM
 # accumulator of all the q rows of its GQA group, when that takes at most this fraction of the
 # chip's VMEM (with the dq output block); else a separate dq kernel recomputes s, p and dp. Fused,
-# the exponentials and two of the five matmuls are not done twice: non-causal forward+backward at
-# S=4096 (compiler estimates) v5e 437.8 -> 347.1 us, v6e 210.2 -> 163.6 us.
+# the exponentials and two of the five matmuls are not done twice.
 FUSED_DQ_VMEM = 1 / 8
 
 
@@ -609,9 +590,8 @@ def _tile_patterns(p: _Problem, b: int, t: int, n: int, transposed: bool) -> tup
   q tiles for the dk/dv kernel, whose rows are keys) runs of equal status merge into one tall
   tile: a causal diagonal block becomes, per column, its masked diagonal tile and one unmasked
   tile of all the rows below. A tall tile streams more rows past each MXU weight load, and no
-  tile needs a ``pl.when``: the causal forward at S=8192 went from 131.7 to 116.0 us on v6e and
-  from 224.2 to 216.3 us on v5e (compiler estimates). Evaluated at plan time: the tile tests
-  get Python ints here and return Python bools."""
+  tile needs a ``pl.when``. Evaluated at plan time: the tile tests get Python ints here and
+  return Python bools."""
   out = []
   for d in range(-(n - 1), n):
     r0, r1, c0, c1 = 0, b - 1, d * b, d * b + b - 1  # block (0, d): visibility is shift-invariant
@@ -714,8 +694,8 @@ def _floor_div(x, n: int):
 
   A power of two is an arithmetic shift. That is not for speed: libtpu's cost model
   evaluates a scalar ``lax.div`` / ``lax.rem`` as 0, so a block range computed with
-  them makes the model skip blocks that run (a causal forward came out at 189% of
-  its roofline); shifts, products and comparisons it evaluates correctly."""
+  them makes the model skip blocks that run (a causal forward's estimate came out
+  faster than its roofline); shifts, products and comparisons it evaluates correctly."""
   if n & (n - 1) == 0:
     return lax.shift_right_arithmetic(x, jnp.int32(n.bit_length() - 1))
   return jnp.where(x < 0, -1, lax.div(jnp.maximum(x, 0), n))
@@ -851,8 +831,7 @@ def _lanes(x, n: int):
 def _lane_partials(x):
   """``(rows, n)`` -> ``(rows, 128)``: the sum of its 128-lane column groups (whole-vreg adds).
   The forward keeps the softmax denominator as such lane partial sums and reduces across
-  lanes once, at the end: a cross-lane sum per kv sub-block cost 8% of the forward on v5e
-  and 14% on v6e (compiler estimates, non-causal S=8192)."""
+  lanes once, at the end, instead of a cross-lane sum (XLU work) per kv sub-block."""
   out = x[:, :_LANES]
   for c in range(1, x.shape[1] // _LANES):
     out = out + x[:, c * _LANES:(c + 1) * _LANES]
