@@ -351,7 +351,8 @@ class Estimate:
     estimate; the model's own time and the floor stay beside it."""
     r = {"us": round(self.seconds * 1e6, 3), "model_us": round(self.model_seconds * 1e6, 3),
          "floor_us": round(self.floor_seconds * 1e6, 3), "hbm_bytes": int(self.hbm_bytes),
-         "bytes_method": self.bytes_method, "floored": self.floored, "valid": self.valid}
+         "bytes_method": self.bytes_method, "counter": traffic.COUNTER_VERSION, "floored": self.floored,
+         "valid": self.valid}
     if self.fraction_of_roofline is not None:
       r["fraction_of_roofline"] = round(self.fraction_of_roofline, 4)
     if self.unmodeled:
@@ -406,7 +407,7 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
   f = functools.partial(fn, **kwargs) if kwargs else fn
   plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
   notes: list[str] = []
-  pallas: dict[str, float] = {}
+  pallas: dict[str, traffic.PallasTraffic] = {}
   partial = False
   if "tpu_custom_call" in comp.hlo:
     try:
@@ -414,7 +415,7 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
         jaxpr = jax.make_jaxpr(f)(*plain)
       walked = [traffic.pallas_call_traffic(e) for e in traffic.pallas_calls(jaxpr)]
       for name, t in traffic.match_pallas(comp.hlo, walked).items():
-        pallas[name] = t.hbm_bytes
+        pallas[name] = t
         notes += t.notes
         partial |= not t.walked
     except Exception as e:  # noqa: BLE001 - counting never blocks an estimate

@@ -9,6 +9,8 @@ This module counts ``hbm_bytes``:
   pipeline fetches an input block again only when its block index changes from the
   previous step, and writes an output block back when its index changes (and at the
   end), so the traffic is the sum of those blocks' bytes, clipped at the array's edge.
+  An operand or result that XLA placed in VMEM (``S(1)`` on the custom call) moves no
+  HBM bytes inside the kernel; the copy that put it there is charged to XLA.
   Refs left in HBM (``memory_space=ANY``: the kernel's own DMAs) and index maps that
   read scalar-prefetched tables cannot be walked; they count as compulsory bytes
   (each read once, each written once), and the result says so.
@@ -16,7 +18,7 @@ This module counts ``hbm_bytes``:
   live in HBM and writes its results that live in HBM (memory space 0; ``S(1)`` is VMEM,
   ``S(6)`` SMEM). Inside a fusion, an operand consumed only by slices is charged the
   slices, and a fusion rooted in an in-place ``dynamic-update-slice`` writes only the
-  update. Sizes are physical: padded to the layout's tile (an f32 ``[R, 1]`` column in
+  update. An asynchronous ``slice-start`` reads its slice, not the whole operand. Sizes are physical: padded to the layout's tile (an f32 ``[R, 1]`` column in
   HBM occupies a whole 128-lane tile per 8 rows).
 * **Loops**: ops inside a ``while`` run once per iteration. The trip count comes from
   the HLO (``known_trip_count``, or the loop's ``i < N`` condition on a counter that
@@ -32,6 +34,12 @@ from typing import Any, Iterable
 
 import numpy as np
 
+# Version of these counting rules, stored with every count (``Estimate.record()``'s
+# ``counter``): 2 charges an asynchronous slice its slice and skips a Pallas call's operands
+# that XLA placed in VMEM (1 charged both in full). A later version only ever counts less,
+# so a stored estimate the floor did not set keeps its time.
+COUNTER_VERSION = 2
+
 # --- HLO text -----------------------------------------------------------------------
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -41,7 +49,8 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
                 "collective-broadcast", "ragged-all-to-all", "send", "recv")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "copy-done", "all-reduce-done", "all-gather-done",
-         "collective-permute-done", "async-done", "async-update", "send-done", "recv-done", "domain"}
+         "collective-permute-done", "async-done", "async-update", "send-done", "recv-done", "domain",
+         "slice-done"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,13 +354,29 @@ class Traffic:
   """``"counted"``, or ``"partly compulsory"`` when some part could not be walked."""
 
 
-def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> Traffic:
-  """Counts the HBM bytes of an optimised TPU HLO module. ``pallas_bytes`` maps a Pallas
-  custom call's instruction name to its counted traffic (per call); a call missing from it
-  is charged its operands and results once."""
+def _pallas_bytes(comp: Computation, ins: Instr, t: PallasTraffic) -> float:
+  """One execution of Pallas call ``ins``: its walked traffic, less the operands and results
+  XLA placed in VMEM (the BlockSpec'd inputs are the call's last operands, after any
+  scalar-prefetch ones; its results are the outputs)."""
+  if not t.operand_bytes:
+    return t.hbm_bytes
+  n_in = t.num_inputs
+  results = ins.arrays
+  if len(ins.operands) < n_in or len(results) != len(t.operand_bytes) - n_in:
+    return t.hbm_bytes
+  operands = ins.operands[len(ins.operands) - n_in:] if n_in else []
+  in_vmem = [any(a.memory_space == 1 for a in comp.instrs[o].arrays) if o in comp.instrs else False
+             for o in operands] + [a.memory_space == 1 for a in results]
+  return sum(b for b, vmem in zip(t.operand_bytes, in_vmem) if not vmem)
+
+
+def hlo_traffic(hlo: str, pallas: dict[str, PallasTraffic] | None = None) -> Traffic:
+  """Counts the HBM bytes of an optimised TPU HLO module. ``pallas`` maps a Pallas custom
+  call's instruction name to its walked traffic (:func:`match_pallas`); a call missing from
+  it is charged its operands and results once."""
   comps = parse_hlo(hlo)
   mult, notes = multiplicities(comps)
-  pallas_bytes = pallas_bytes or {}
+  walked = pallas or {}
   by_op: dict[str, float] = {}
   pallas, collectives, convs = [], [], []
   fusion_cycles: dict[str, int] = {}
@@ -370,8 +395,8 @@ def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> Traff
           continue
         if target == "tpu_custom_call":
           pallas.append(ins.name)
-          if ins.name in pallas_bytes:
-            by_op[ins.name] = times * pallas_bytes[ins.name]
+          if ins.name in walked:
+            by_op[ins.name] = times * _pallas_bytes(comp, ins, walked[ins.name])
             continue
           notes.append(f"Pallas call {ins.name}: not walked, charged its operands and results once")
       if ins.opcode == "fusion":
@@ -385,6 +410,9 @@ def hlo_traffic(hlo: str, pallas_bytes: dict[str, float] | None = None) -> Traff
         upd = comp.instrs.get(ins.operands[1]) if len(ins.operands) > 1 else None
         b = (_hbm(ins.arrays) and sum(a.logical_bytes for a in upd.arrays)) if upd else _hbm(ins.arrays)
         b += _hbm(upd.arrays) if upd else 0
+      elif ins.opcode == "slice-start":
+        *src, dest, _ = ins.arrays  # ((source), destination, context)
+        b = (dest.physical_bytes if any(a.memory_space == 0 for a in src) else 0) + _hbm([dest])
       elif ins.opcode == "copy-start":
         arrays = ins.arrays  # (destination, source, context)
         b = _hbm(arrays[:2])
@@ -421,6 +449,9 @@ class PallasTraffic:
   out_shapes: tuple
   notes: list[str]
   walked: bool
+  operand_bytes: tuple[float, ...] = ()
+  """Bytes per BlockSpec'd operand: the inputs, then the outputs (sums to ``hbm_bytes``)."""
+  num_inputs: int = 0
 
 
 _MAX_GRID = 1 << 22
@@ -563,7 +594,7 @@ def pallas_call_traffic(eqn) -> PallasTraffic:
   mappings = list(gm.block_mappings)[:n_in + n_out]
   walkable = n_steps <= _MAX_GRID and not getattr(gm, "num_dynamic_grid_bounds", 0)
   idx = _grid_indices(grid) if walkable and grid else [np.zeros(1, np.int32)] * 0
-  total = 0.0
+  per: list[float] = []
   for k, bm in enumerate(mappings):
     aval = bm.array_aval if hasattr(bm, "array_aval") else bm.array_shape_dtype
     shape, itemsize = tuple(aval.shape), np.dtype(aval.dtype).itemsize
@@ -576,14 +607,14 @@ def pallas_call_traffic(eqn) -> PallasTraffic:
     elif not walkable:
       why = f"grid of {n_steps} steps not walked"
     if why:
-      total += whole
+      per.append(whole)
       notes.append(f"{name} {'input' if k < n_in else 'output'} {k if k < n_in else k - n_in}: {why}; "
                    "charged once (compulsory bytes)")
       continue
     try:
       dims = _dims(bm.block_shape, shape)
     except NotImplementedError as e:
-      total += whole
+      per.append(whole)
       notes.append(f"{name}: {e}; charged once")
       continue
     if not grid:
@@ -593,7 +624,7 @@ def pallas_call_traffic(eqn) -> PallasTraffic:
       try:  # scalar-prefetch operands are opaque: an index map that reads them cannot be walked
         starts = _eval_index_map(bm.index_map_jaxpr, idx + [_Opaque()] * gm.num_index_operands)
       except (NotImplementedError, TypeError) as e:
-        total += whole
+        per.append(whole)
         why = "index map reads scalar-prefetched data" if gm.num_index_operands else str(e)
         notes.append(f"{name} {'input' if k < n_in else 'output'} {k if k < n_in else k - n_in}: {why}; "
                      "charged once (compulsory bytes)")
@@ -604,8 +635,8 @@ def pallas_call_traffic(eqn) -> PallasTraffic:
       s = np.asarray(s, np.int64)[new]
       begin = s * b if kind == "blocked" else s
       size *= np.clip(np.minimum(begin + b, n) - begin, 0, None)
-    total += itemsize * float(size.sum())
-  return PallasTraffic(name, total, outs, notes, not notes)
+    per.append(itemsize * float(size.sum()))
+  return PallasTraffic(name, sum(per), outs, notes, not notes, tuple(per), n_in)
 
 
 def hlo_shape_key(shape: str) -> tuple:

@@ -90,6 +90,32 @@ def test_unknown_trip_count_is_said():
   assert t.multiplicity["y"] == 1 and any("trip count unknown" in n for n in t.notes)
 
 
+_ASYNC_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[8192,1024], dy: bf16[8192,1024]) -> bf16[8192,1024] {
+  %x = bf16[8192,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %dy = bf16[8192,1024]{1,0:T(8,128)(2,1)} parameter(1)
+  %copy-start = (bf16[8192,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[8192,1024]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%x)
+  %slice-start = ((bf16[8192,1024]{1,0:T(8,128)(2,1)}), bf16[2048,1024]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%dy), slice={[0:2048], [0:1024]}
+  %copy-done = bf16[8192,1024]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+  %slice-done = bf16[2048,1024]{1,0:T(8,128)(2,1)S(1)} slice-done(%slice-start)
+  %norm.1 = (bf16[8192,1024]{1,0:T(8,128)(2,1)}, f32[8,1,1024]{2,1,0:T(1,128)S(1)}) custom-call(%copy-done, %dy), custom_call_target="tpu_custom_call"
+  ROOT %y = bf16[8192,1024]{1,0:T(8,128)(2,1)} get-tuple-element(%norm.1), index=0
+}
+"""
+
+
+def test_async_slices_and_pallas_operands_in_vmem():
+  array = 8192 * 1024 * 2
+  # a Pallas call whose first input and second output XLA placed in VMEM
+  walked = traffic.PallasTraffic("norm", 4.0 * array, ((), ()), [], True,
+                                 operand_bytes=(array, array, array, array), num_inputs=2)
+  t = traffic.hlo_traffic(_ASYNC_HLO, {"norm.1": walked})
+  assert t.by_op["slice-start"] == array // 4  # its slice, read from HBM; written to VMEM
+  assert "slice-done" not in t.by_op and t.by_op["copy-start"] == array
+  assert t.by_op["norm.1"] == 2 * array  # dy read and y written in HBM; x and the partials in VMEM
+
+
 def test_estimate_arithmetic():
   chip = kernels.get_chip("v5e")
   e = kernels.Estimate("v5e", cycles=int(1.5e5), ops={"f": int(1.5e5)}, clock_hz=chip.clock_hz,

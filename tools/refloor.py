@@ -30,6 +30,10 @@ Usage::
   nice -n 10 .venv/bin/python tools/refloor.py attention_bench --limit 20
   .venv/bin/python tools/refloor.py attention_bench --list      # what would run, in order
   .venv/bin/python tools/refloor.py attention_bench --sync      # only recompute derived fields
+  nice -n 10 .venv/bin/python tools/refloor.py matmul_bench --recount  # floored records, newer counter
+
+A newer byte counter (``kernels.traffic.COUNTER_VERSION``, stored as ``counter``) only ever
+counts less, so only the records the floor set can change: ``--recount`` counts those again.
 """
 from __future__ import annotations
 
@@ -56,6 +60,8 @@ TABLES = {
     "matmul_blocks": "matmul_blocks.json",
     "attention_blocks": "attention_blocks.json",
     "attention_bench": "attention_bench.json",
+    "norm_bench": "norm_bench.json",
+    "norm_blocks": "norm_blocks.json",
 }
 SENTENCE = ("us is the floored compiler estimate: the cost model's time (model_us), never less than the "
             "program's counted HBM bytes at the published bandwidth (floor_us)")
@@ -110,6 +116,9 @@ def _program(spec):
     fn, args, flops, nbytes = tool.program(spec["seq"], spec["heads"], tool.att.BlockSizes(*spec["blocks"]),
                                            spec["backward"], spec["causal"])
     return fn, args, flops, nbytes, "bfloat16"
+  if spec["tool"] == "tune_norm":
+    fn, args = tool._program(spec["cfg"])
+    return fn, args, 0, tool.bytes_moved(spec["cfg"]), "bfloat16"
   if spec["tool"] == "bench_attention":
     fn, args = tool.build(spec["peer"], spec["case"], spec["blocks"])
     return (fn, args, *tool.cost(spec["case"]), tool.DTYPE)
@@ -120,6 +129,7 @@ def child(specs):
   """Counts each spec's HBM bytes; prints one JSON line per spec."""
   import kernels  # noqa: F401  (first: libtpu's flags)
   from kernels.roofline import roofline
+  from kernels import traffic
   from kernels.tpu import hbm_traffic
   for spec in specs:
     t0 = time.time()
@@ -128,6 +138,7 @@ def child(specs):
       t = hbm_traffic(fn, *args, generation=spec["generation"])
       rl = roofline(flops, nbytes, spec["generation"], dtype)
       out = {"id": spec["id"], "hbm_bytes": float(t.hbm_bytes), "bytes_method": t.method,
+             "counter": traffic.COUNTER_VERSION,
              "compulsory_bytes": float(t.compulsory_bytes), "roofline_us": rl.seconds * 1e6, "flops": flops,
              "peak": rl.peak, "notes": t.notes[:5], "seconds": round(time.time() - t0, 1)}
     except Exception as e:  # noqa: BLE001 - reported to the parent
@@ -174,8 +185,19 @@ def run_child(specs, flags, timeout, max_rss_gb, kernels_tree=None):
 
 # --- writing back --------------------------------------------------------------------
 
-_RECORD_KEYS = ("us", "model_us", "floor_us", "hbm_bytes", "bytes_method", "floored", "valid",
+_RECORD_KEYS = ("us", "model_us", "floor_us", "hbm_bytes", "bytes_method", "counter", "floored", "valid",
                 "fraction_of_roofline")
+COUNTER = None  # kernels.traffic.COUNTER_VERSION (read in main: importing kernels loads libtpu)
+RECOUNT = None  # "floored" (--recount) or "all" (--recount-all): records counted by an older counter
+
+
+def _todo(r) -> bool:
+  """Whether record ``r`` is re-floored: not yet floored, or (``--recount``) floored on an older
+  count (``--recount-all``: every record of an older count)."""
+  floored = "floor_us" in r or "floor_seconds" in r
+  if RECOUNT:
+    return floored and r.get("counter", 1) < COUNTER and (RECOUNT == "all" or bool(r.get("floored")))
+  return "us" in r and not floored
 
 
 def _bandwidth(gen):
@@ -185,6 +207,10 @@ def _bandwidth(gen):
 
 def refloor_record(r, res, gen, flops=None, peak=None):
   """Re-states the record ``r`` (``us`` = the model's time) on the floored estimate, in place."""
+  if "model_us" in r:  # (a recount: the model's time was kept beside the floored one)
+    if r.get("fraction_of_roofline"):  # (as a fraction of the model's time, as if never floored)
+      r["fraction_of_roofline"] = r["fraction_of_roofline"] * r["us"] / r["model_us"]
+    r["us"] = r["model_us"]
   model_us = r["us"]
   old_fraction = r.get("fraction_of_roofline")
   old_roofline_us = old_fraction * model_us if old_fraction else None
@@ -192,7 +218,7 @@ def refloor_record(r, res, gen, flops=None, peak=None):
   us = max(model_us, floor_us)
   frac = res["roofline_us"] / us
   new = {"us": round(us, 3), "model_us": model_us, "floor_us": round(floor_us, 3), "hbm_bytes": int(res["hbm_bytes"]),
-         "bytes_method": res["bytes_method"], "floored": floor_us > model_us,
+         "bytes_method": res["bytes_method"], "counter": res["counter"], "floored": floor_us > model_us,
          "valid": frac <= 1.0 + 1e-9 and not r.get("unmodeled"), "fraction_of_roofline": round(frac, 4)}
   if flops is not None and "tflops" in r:
     new["tflops"] = round(flops / us / 1e6, 2)
@@ -220,6 +246,8 @@ def _check(old, new, fraction=None):
 
 
 def refloor_calibration_case(c, res):
+  if "model_seconds" in c:  # (a recount)
+    c["seconds"] = c["model_seconds"]
   model_s = c["seconds"]
   if abs(c["cycles"] / c["clock_hz"] - model_s) > 1e-9 * max(model_s, 1e-12) + 1e-12:
     raise RuntimeError(f"{c['name']}: stored seconds is not cycles / clock")
@@ -227,7 +255,7 @@ def refloor_calibration_case(c, res):
   s = max(model_s, floor_s)
   warn = _check(c["roofline_seconds"] * 1e6, res["roofline_us"])
   new = {"seconds": s, "model_seconds": model_s, "floor_seconds": floor_s, "hbm_bytes": res["hbm_bytes"],
-         "bytes_method": res["bytes_method"], "floored": floor_s > model_s}
+         "bytes_method": res["bytes_method"], "counter": res["counter"], "floored": floor_s > model_s}
   derived = {"tflops_per_second": c["flops"] / s / 1e12, "fraction_of_peak": c["flops"] / s / res["peak"],
              "fraction_of_roofline": c["roofline_seconds"] / s, "valid": c["roofline_seconds"] / s <= 1.0 + 1e-9}
   out = {}
@@ -248,7 +276,7 @@ def refloor_calibration_case(c, res):
 def jobs_calibration(table):
   out = []
   for c in table["cases"]:
-    if "floor_seconds" in c:
+    if not _todo(c):
       continue
     spec = {"tool": "calibrate", "generation": c["generation"],
             "case": {k: c[k] for k in ("name", "kernel", "size", "generation", "blocks")}}
@@ -259,7 +287,7 @@ def jobs_calibration(table):
 def jobs_matmul_bench(table):
   out = []
   for key, r in table["results"].items():
-    if "us" not in r or "floor_us" in r:
+    if not _todo(r):
       continue
     blocks = r.get("blocks_used") or r.get("blocks")
     spec = {"tool": "bench_matmul", "kind": r["kind"], "generation": r["generation"], "m": r["m"], "k": r["k"],
@@ -277,7 +305,7 @@ def jobs_matmul_blocks(table):
         for field, blocks, flags in (("estimate", [e["bm"], e["bk"], e["bn"]], ""), ("xla", None, ""),
                                      ("xla_no_cross_program_prefetch", None, NO_CROSS_PROGRAM_PREFETCH)):
           r = e.get(field)
-          if not r or "us" not in r or "floor_us" in r:
+          if not r or not _todo(r):
             continue
           spec = {"tool": "tune_matmul", "generation": gen, "dtype": dtype, "m": e["m"], "k": e["k"], "n": e["n"],
                   "blocks": blocks}
@@ -305,7 +333,7 @@ def jobs_attention_blocks(table):
     for cand in e.get("forward_candidates", []):
       for causal in (False, True):
         r = cand["causal" if causal else "non_causal"]
-        if "us" not in r or "floor_us" in r:
+        if not _todo(r):
           continue
         blocks = [cand["block_q"], cand["block_kv"], 512, 512]
         spec = {"tool": "tune_attention", "generation": gen, "seq": fp["seq"], "heads": fp["heads"],
@@ -315,7 +343,7 @@ def jobs_attention_blocks(table):
                     spec, "", lambda res, r=r, gen=gen: refloor_record(r, res, gen)))
     p = e.get("problem")
     for cand in e.get("backward_candidates", []):
-      if "us" not in cand or "floor_us" in cand:
+      if not _todo(cand):
         continue
       blocks = [*ATTENTION_BWD_FORWARD_BLOCKS[gen], cand["block_q_bwd"], cand["block_kv_bwd"]]
       spec = {"tool": "tune_attention", "generation": gen, "seq": p["seq"], "heads": p["heads"], "blocks": blocks,
@@ -372,7 +400,7 @@ def jobs_attention_bench(table):
       for peer, pe in per_peer.items():
         best = (pe.get("best") or {}).get("blocks")
         for name, r in pe["tried"].items():
-          if "us" not in r or "floor_us" in r:
+          if not _todo(r):
             continue
           if key == _TARGET_CASES[0]:
             rank = 0
@@ -408,12 +436,54 @@ def sync_attention_bench(table):
         pe["best"] = {"blocks": name, **tried[name]}
 
 
+def jobs_norm_bench(table):
+  out = []
+  for key, r in table["results"].items():
+    if not _todo(r):
+      continue
+    cfg = {k: r[k] for k in ("generation", "impl", "kind", "dtype", "hidden", "residual", "mode") if k in r}
+    spec = {"tool": "tune_norm", "generation": r["generation"], "cfg": {**cfg, **r.get("blocks", {})}}
+    out.append((key, spec, "", lambda res, r=r: refloor_record(r, res, r["generation"])))
+  return out
+
+
+def jobs_norm_blocks(table):
+  """The three records of each tuned entry (v4's are v5p's copies, made again by sync); the
+  tuner's sweeps keep the figures it ranked on."""
+  out = []
+  for gen, per_dtype in table["defaults"].items():
+    if gen == "v4":
+      continue
+    for dtype, entries in per_dtype.items():
+      for e in entries:
+        for field, mode in (("forward", "fwd"), ("forward_under_grad", "fwdgrad"),
+                            ("forward_and_backward", "fwdbwd")):
+          r = e.get(field)
+          if not r or not _todo(r):
+            continue
+          cfg = {"generation": gen, "impl": "ours", "kind": e.get("kind", "layer"), "dtype": dtype,
+                 "hidden": e["hidden"], "residual": e.get("residual", True), "mode": mode, "rows": e["rows"],
+                 "backward_rows": e["backward_rows"]}
+          key = f"{gen}/{cfg['kind']}/{e['hidden']}/{'residual' if cfg['residual'] else 'plain'}/{field}"
+          out.append((key, {"tool": "tune_norm", "generation": gen, "cfg": cfg}, "",
+                      lambda res, r=r, gen=gen: refloor_record(r, res, gen)))
+  return out
+
+
 JOBS = {"calibration": jobs_calibration, "matmul_bench": jobs_matmul_bench, "matmul_blocks": jobs_matmul_blocks,
-        "attention_blocks": jobs_attention_blocks, "attention_bench": jobs_attention_bench}
+        "attention_blocks": jobs_attention_blocks, "attention_bench": jobs_attention_bench,
+        "norm_bench": jobs_norm_bench, "norm_blocks": jobs_norm_blocks}
 
 
 def sync(name, table, log=print):
   """Derived fields and the table's description."""
+  if name == "norm_blocks":
+    if "v5p" in table["defaults"]:
+      table["defaults"]["v4"] = {"bfloat16": [dict(e, source="v5p's choice (libtpu has no cost model for v4)")
+                                              for e in table["defaults"]["v5p"]["bfloat16"]]}
+    return
+  if name == "norm_bench":
+    return
   if name == "calibration":
     if SENTENCE_SECONDS not in table.get("description", ""):
       table["description"] = table["description"].rstrip() + " " + SENTENCE_SECONDS + "."
@@ -539,10 +609,18 @@ def main(argv=None):
   ap.add_argument("--data", default=DATA, help="folder of the tables")
   ap.add_argument("--list", action="store_true", help="print the entries that would be re-floored")
   ap.add_argument("--sync", action="store_true", help="only recompute the derived fields")
+  ap.add_argument("--recount", action="store_true", help="count again the floored records whose bytes an older "
+                  "counter (kernels.traffic.COUNTER_VERSION) counted; the floor binds there, so their time can move")
+  ap.add_argument("--recount-all", action="store_true", help="count again every record an older counter counted "
+                  "(their hbm_bytes are shown; a time the floor did not set stays)")
   ap.add_argument("--report", action="store_true", help="print floored and over-roofline entries")
   ap.add_argument("--kernels-tree", help="count with the kernels/ package in this folder (default: this tree's, "
                   "or the commit an entry names)")
   args = ap.parse_args(argv)
+  global COUNTER, RECOUNT
+  from kernels import traffic
+  COUNTER = traffic.COUNTER_VERSION
+  RECOUNT = "all" if args.recount_all else "floored" if args.recount else None
   for name in args.tables:
     if args.report:
       report(name, args)
