@@ -28,9 +28,8 @@ chip's ridge point (``peak / HBM bandwidth``): ~240 FLOP/B on v5e, ~560 on v6e.
 v5e), and v6e needs 2048x2048 output tiles (1024) at 8192^3. The limits are VMEM
 and the pipeline's ends: blocks are double buffered, and the first step's
 A and B tiles must arrive before the MXU starts and the last output tile is
-written after it stops, so very large blocks leave several microseconds exposed
-on a 2048^3 problem (~95 us on v5e). That is why the best blocks depend on the
-problem size.
+written after it stops, so very large blocks leave a visible share of a 2048^3
+problem exposed. That is why the best blocks depend on the problem size.
 
 *VMEM.* The kernel needs ``2*(bm*bk + bk*bn)*itemsize + 2*bm*bn*out_itemsize``
 for the pipelined blocks, ``4*bm*bn`` for the accumulator and, for packed
@@ -105,9 +104,9 @@ v4 (:data:`MXU_DTYPES`, from AOT compiles); only v6e has an fp8 MXU rate.
 
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the
 Pallas kernel when lowered for TPU and the reference (XLA) elsewhere. No shape is
-routed to XLA by size (``PREFER_XLA``): in compiler estimates the kernel matches
-XLA on tiny squares (128^3-512^3) and matches or beats it on skinny shapes once
-both read their operands from HBM (see *Estimates*).
+routed to XLA by size (``PREFER_XLA``): no shape class was found where XLA's
+advantage has a physical reason that a block choice cannot remove (see *How it
+compares*).
 
 *Precision.* For f32 inputs ``precision=None``/``DEFAULT`` uses Mosaic's default
 f32 matmul (bf16 passes, the speed of bf16) and ``HIGHEST`` the full-f32
@@ -119,48 +118,25 @@ plain compiler does not; two code shapes that compile fine abort it, so the
 kernel avoids them: the K-tail select runs on 32-bit values (fp8 through its
 int8 bits), and decode blocks are whole 16-row bf16 tiles.
 
-Estimates of the matmul
------------------------
-All numbers are **compiler estimates** (libtpu's static cost model through
-:func:`kernels.estimate_tpu`, jax 0.10.2), never measurements; bf16 in and out,
-``[n, n] @ [n, n]``, default blocks unless stated. ``tools/tune_matmul.py``
-recomputes them and stores them beside each tuned problem in
-``kernels/data/matmul_blocks.json``.
+How it compares (the numbers are in the matmul notebook)
+--------------------------------------------------------
+The notebook and ``kernels/data/matmul_bench.json`` hold the figures: floored
+compiler estimates (:func:`kernels.estimate_tpu`), never measurements, beside XLA
+and JAX's reference Pallas matmul. The mechanisms behind them:
 
-===  ====  =========  ===============  ==========  ========  ===================
-TPU  n     ours (us)  blocks bm/bk/bn  % roofline  XLA (us)  JAX Pallas (us) [1]
-===  ====  =========  ===============  ==========  ========  ===================
-v5e  2048  94.6       512/2048/512     92.2        92.0      98.5
-v5e  4096  715.3      1024/2048/1024   97.5        720.2     739.7
-v5e  8192  5629.9     2048/2048/2048   99.1        5810.2    5837.2
-v5p  2048  40.8       512/2048/512     91.8        39.7      42.4
-v5p  4096  306.6      1024/2048/1024   97.7        309.3     318.8
-v6e  2048  24.2       1024/1024/1024   77.3        27.9      29.6
-v6e  4096  161.5      1024/4096/1024   92.7        159.4     215.3
-v6e  8192  1226.6     2048/2048/2048   97.7        1325.8    --
-===  ====  =========  ===============  ==========  ========  ===================
-
-[1] ``jax.experimental.pallas.ops.tpu.matmul`` at the block shape the Pallas
-guide documents, ``(bm, bk, bn) = (512, 1024, 1024)``; this kernel at the same
-blocks: v5e 96.0 / 730.7 / 5808.2 (2048 / 4096 / 8192), v5p 41.3 / 315.1,
-v6e 28.5 / 211.2 us (2048 / 4096).
-The gain comes from casting and storing the output tile once (JAX's kernel does
-both at every K step) and from skipping the accumulator's zero fill and last store.
-
-Where 2048^3 loses to XLA (v5e 0.973x, v5p 0.975x) the difference is the
-pipeline's exposed ends: the first A and B tiles (4 MiB at 512/2048/512) must
-arrive before the MXU starts, and the last output tile leaves after it stops.
-
-*Skinny and decode shapes against XLA need a caveat.* For ``256x4096x4096``,
-``4096x4096x256`` and ``16x4096x4096``, XLA's estimate is 10-60% below ours
-(and for decode or on v6e below the HBM roofline): XLA:TPU copies one whole
-entry parameter (the 32 MiB weight) into VMEM by *cross-program prefetch* before
-the program starts, and the cost model does not charge that copy. Compiled
-without it (``LIBTPU_INIT_ARGS=--xla_max_cross_program_prefetches=0``), XLA reads
-its operands from HBM like the kernel does, and the kernel runs at 0.997-1.11x
-XLA's speed on every skinny shape tuned (v5e, v5p, v6e). Decode estimates (M=16) of
-both beat the HBM roofline, so the cost model's DMA timing is not trustworthy
-there; compare them only with each other.
+* Against JAX's ``pallas.ops.tpu.matmul`` at the same blocks, this kernel casts
+  and stores each output tile once (JAX's kernel does both at every K step) and
+  skips the accumulator's zero fill and last store.
+* Where a mid-sized square (2048^3) trails XLA, the cause is the pipeline's exposed
+  ends: the first A and B tiles must arrive before the MXU starts, and the last
+  output tile leaves after it stops.
+* Skinny and decode shapes are memory bound, so the HBM floor sets both programs'
+  time. XLA's unfloored estimate looks faster there because XLA:TPU copies one
+  whole entry parameter into VMEM by *cross-program prefetch* before the program
+  starts and the cost model does not charge that copy; the benchmarks compile
+  with ``LIBTPU_INIT_ARGS=--xla_max_cross_program_prefetches=0`` so both read
+  HBM. At decode (M=16) the default blocks re-read the activation once per
+  column block: a few percent more bytes than XLA, hence a few percent slower.
 """
 from __future__ import annotations
 
@@ -786,12 +762,9 @@ def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, in
 
 
 # Backend choice for implementation=None: a reason to send work to XLA, or None. The
-# kernel serves every shape on TPU. In compiler estimates it ties XLA on tiny squares
-# (128^3 to 512^3 on v5e and v6e) and ties or beats it on skinny and decode shapes when
-# both read their operands from HBM (XLA's default estimate is faster there only by
-# cross-program prefetch, a copy of one operand into VMEM that the cost model does not
-# charge; see the module docstring), so no size threshold pays. Off TPU, dispatch
-# runs the reference (XLA) anyway.
+# kernel serves every shape on TPU: where XLA's estimate is ahead, the cause is the
+# block choice or an uncharged cross-program prefetch (module docstring), not something
+# only XLA can do, so no size threshold is set. Off TPU, dispatch runs the reference.
 PREFER_XLA = None
 
 
