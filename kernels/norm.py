@@ -143,8 +143,8 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
-# Without a table entry: blocks of ~2 MiB of input (forward) and ~1 MiB (backward). (Compiler
-# estimates, v5e, 8192 x 4096 bf16 layer norm forward: 1 MiB blocks 121.6 us, 2 MiB 110.4 us, 4 MiB 109.3 us.)
+# Without a table entry: blocks of ~2 MiB of input (forward) and ~1 MiB (backward). Smaller forward
+# blocks pay the fixed cost of a grid step more often; larger ones gain little and cost VMEM.
 _FALLBACK_BYTES = (2 << 20, 1 << 20)
 
 
@@ -311,8 +311,7 @@ def _add(x, residual):
 def _add_native(x, residual):
   """:func:`_add` in the kernels: one add in x's dtype. A correctly rounded add of two bf16 values
   equals their f32 sum rounded to bf16 (that sum is exact, or its error is far below half a bf16
-  ulp), and v6e adds bf16 natively instead of unpacking both to f32 and packing the sum (RMS
-  add-and-norm forward, 8192 x 4096 bf16, v6e: 58.9 -> 53.7 us, compiler estimates). Compiled
+  ulp), and v6e adds bf16 natively instead of unpacking both to f32 and packing the sum. Compiled
   kernels only: an interpreted kernel runs as XLA on the host, which may keep a bf16 sum in f32
   (excess precision) and normalise the unrounded value, so interpret mode uses :func:`_add`."""
   return x + residual
@@ -354,16 +353,13 @@ def rms_norm_reference(x, scale=None, *, eps=1e-6, residual=None):
 
 # The math runs on chunks of CHUNK_BYTES of f32 rows at a time, never on the whole block: a whole
 # block's f32 temporaries do not fit the 64 vector registers, so Mosaic spills all of them to VMEM
-# and every op pays a load and a store (RMS backward with a residual, 256 x 4096 rows on v5e,
-# compiler estimates: 207.6 us on whole blocks, 189.2 us in 16-row chunks).
+# and every op pays a load and a store.
 CHUNK_BYTES = 64 << 10
 _UNROLL = 8  # chunk loops longer than this run as a fori_loop unrolled this many times
 # The forward kernel's chunks may be 8 rows even in bf16 (half a packed vector register; one f32
 # register row), and its loop is unrolled over 256 rows: fewer f32 rows live across the row
-# reduction, and more chunks to interleave. No-residual forward, 8192 rows bf16 (compiler estimates):
-# width 4096: RMS v6e 47.9 -> 45.4 us, v5e 77.4 -> 75.5; layer v6e 62.7 -> 57.5, v5e 91.5 -> 85.3;
-# width 1024: layer v5e 27.5 -> 25.2, v6e 21.0 -> 16.5. The backward kernel was slower so (layer,
-# width 1024, v5e: 54.1 -> 62.0 us with a 512-row unroll) and keeps its chunks and unroll.
+# reduction, and more chunks to interleave. The backward kernel was estimated slower so and
+# keeps its own chunks and unroll.
 _FORWARD_CHUNK_ROWS = 8
 _FORWARD_UNROLL_ROWS = 256
 
@@ -449,10 +445,9 @@ def _accumulate(acc_ref, v, wide: bool):
 # from the VMEM block slice by slice (STREAM_COLS lanes at a time) in one sweep for the statistics and
 # again for the outputs, so no f32 temporary of a whole row lives across the row reduction. The
 # whole-chunk form above keeps such temporaries, and the compiler spills them: on v5e (one vector
-# store slot per bundle) 2389 of the RMS backward's 2937 stores were spills. Compiler estimates,
-# RMS add-and-norm forward + backward, 8192 x 4096 bf16, with rows re-tuned: v5e 287.3 -> 263.5 us,
-# v6e 175.2 -> 164.0 us.
-# At width 1024 the layer-norm backward was slower this way (v5e 45.0 -> 70.9 us), hence the minimum.
+# store slot per bundle) most of the RMS backward's stores were spills. Narrow rows spill little,
+# so there the second sweep's re-reads are pure cost (the layer-norm backward at width 1024 was
+# estimated slower streamed), hence the minimum width.
 STREAM_COLS = 256
 STREAM_MIN_WIDTH = 4096
 STREAM_STEPS = 512  # column-slice steps unrolled per loop (a fully unrolled 512 x 4096 block; less unrolled is slower)
@@ -501,8 +496,8 @@ def _lane_of_row(c: int, lane0):
 
 def _pack_row_stats(cols, out, rows: int):
   """(n_stats, rows, 1) per-row columns -> the lane-dense (rows/128, n_stats, 128) block. Done once
-  per grid step: building the lane-dense rows chunk by chunk serialised the forward's chunk loop on
-  the stores and loads of the same row (RMS add-and-norm forward, v6e: 58.9 -> 112.2 us)."""
+  per grid step: building the lane-dense rows chunk by chunk serialises the forward's chunk loop on
+  the stores and loads of the same row (the chunks can no longer overlap)."""
   diag = _lane_of_row(tiling.LANES, 0)
   for g in range(rows // tiling.LANES):
     for n in range(out.shape[1]):
@@ -607,8 +602,8 @@ def _backward_streamed_kernel(*refs, p: _Problem, rows: int, saved_stats: bool):
   def widen(v):  # (C, 128) -> (C, W)
     return jnp.concatenate([v] * (W // tiling.LANES), axis=1)
 
-  # The scale broadcast down C rows once per step: broadcasting it at each use cost a sublane
-  # rotate per vector (RMS add-and-norm fwd+bwd: v5e 263.5 -> 261.4 us, v6e 164.0 -> 162.7 us).
+  # The scale broadcast down C rows once per step: broadcasting it at each use costs a sublane
+  # rotate per vector.
   if s_rows is not None:
     for t in range(n_cols):
       s_rows[:, pl.ds(t * W, W)] = jnp.broadcast_to(s_ref[:, pl.ds(t * W, W)].astype(f32), (C, W))
@@ -786,8 +781,8 @@ def _in_hbm(a, interpret):
   leaving room for the VMEM the kernel itself asks for, and the program then fails to compile
   ("Ran out of memory in memory space vmem"; seen in forward + backward programs at 8192 x 1024
   and 8192 x 4096 on v5e). The forward kernel's operands did not cause it and stay free. The
-  price, in the cost model: RMS add-and-norm forward + backward at 8192 x 4096 on v5e is
-  estimated about 15% slower than with XLA's VMEM placement (256/128 rows)."""
+  price is what XLA's VMEM placement would have saved: the backward's operands are always read
+  from HBM."""
   return a if interpret else pltpu.with_memory_space_constraint(a, pltpu.HBM)
 
 
@@ -809,7 +804,7 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, sav
     if v is not None:
       args.append(v.reshape(_vec_shape(p.hidden, p.dtype)))
       in_specs.append(_vec_spec(p))
-  # y [, h]: left where XLA puts them (placed in HBM, the program copied y out: +19.8 us at 8192 x 4096 on v6e)
+  # y [, h]: left where XLA puts them (constrained to HBM, the program gained a copy of y)
   out_shape = [jax.ShapeDtypeStruct(x.shape, p.dtype)] * (2 if p.has_residual else 1)
   out_specs, scratch = [row_block] * len(out_shape), []
   if save_stats:
