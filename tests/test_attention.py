@@ -29,6 +29,8 @@ import kernels
 
 # The module (flash_attention the function is exported from kernels/__init__.py).
 att = importlib.import_module("kernels.attention")
+# Its plan and masks: the tuning constants the tests shrink to fit small problems live here.
+plan_mod = importlib.import_module("kernels._attention_plan")
 BlockSizes = att.BlockSizes
 SMALL = BlockSizes(128, 128, 128, 128)
 ATOL = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -133,7 +135,7 @@ def test_bf16(monkeypatch):
     out = run(q, k, v, **kw)
     assert out.dtype == jnp.bfloat16
     close(out, att.attention_reference(q, k, v, **kw), jnp.bfloat16)
-  monkeypatch.setattr(att, "_EXP_BF16", True)  # off by default (libtpu's cost model aborts on it)
+  monkeypatch.setattr(plan_mod, "_EXP_BF16", True)  # off by default (libtpu's cost model aborts on it)
   with kernels.backend.target("v6e"):  # traced for v6e: the forward's exponentials run in bf16
     assert att._plan(att._validate(q, k, v, causal=True, segment_ids=None, sliding_window=None, logits_soft_cap=None,
                                    scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
@@ -184,7 +186,7 @@ def test_mask_bias_and_sinks():
 def test_kv_sub_blocks(kw, monkeypatch):
   # The forward's math walks each kv block in sub-blocks of KV_COMPUTE keys: 3 per 384-key block
   # here, the last one partly past the kv length (300), with every per-tile feature sliced to match.
-  monkeypatch.setattr(att, "KV_COMPUTE", 128)
+  monkeypatch.setattr(plan_mod, "KV_COMPUTE", 128)
   q, k, v = qkv(sq=260, skv=300, h=2, kvh=1)
   kw = dict(kw)
   rng = np.random.default_rng(5)
@@ -218,8 +220,8 @@ def test_masked_tiles(kw, monkeypatch):
   # A causal / window block that needs masking runs as (MASKED_TILE x MASKED_TILE) tiles, each
   # skipped, unmasked or masked on its own, forward and backward: 256-blocks in 128-tiles here, a kv tail past 300 keys,
   # the diagonal offset by kv_len - q_len (and, with longer_q, rows that see nothing).
-  monkeypatch.setattr(att, "KV_COMPUTE", 128)
-  monkeypatch.setattr(att, "MASKED_TILE", 128)
+  monkeypatch.setattr(plan_mod, "KV_COMPUTE", 128)
+  monkeypatch.setattr(plan_mod, "MASKED_TILE", 128)
   kw = dict(kw)
   sq, skv = (330, 300) if kw.pop("longer_q", False) else (260, 300)
   q, k, v = qkv(sq=sq, skv=skv, h=2, kvh=1)
@@ -279,8 +281,8 @@ def test_static_tile_patterns(sq, block, tile, kw, monkeypatch):
   # Square blocks, q_len == kv_len, no segments / mask: a block that needs masking has a tile
   # pattern fixed by j - i, run as runs of tall tiles (no pl.when per tile) in the forward, dq
   # and dk/dv kernels.
-  monkeypatch.setattr(att, "KV_COMPUTE", 128)
-  monkeypatch.setattr(att, "MASKED_TILE", tile)
+  monkeypatch.setattr(plan_mod, "KV_COMPUTE", 128)
+  monkeypatch.setattr(plan_mod, "MASKED_TILE", tile)
   kw = dict(kw)
   extra = kw.pop("extra", False)
   h, kvh = (4, 2) if extra else (2, 1)
@@ -318,7 +320,7 @@ def test_fused_and_separate_dq(kw, monkeypatch):
   assert not att._plan(_problem(q, k, v, bias=rand((1, 4, 300, skv or 300), seed=5), **kw), SMALL,
                        backward=True).fused_dq  # the dq kernel writes the bias gradient
   grads_close(kw, q, k, v)
-  monkeypatch.setattr(att, "FUSED_DQ_VMEM", 0.0)
+  monkeypatch.setattr(plan_mod, "FUSED_DQ_VMEM", 0.0)
   assert not att._plan(prob, SMALL, backward=True).fused_dq
   grads_close(kw, q, k, v)
 
@@ -393,7 +395,7 @@ def test_no_races(tiles, monkeypatch):
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
   blocks = SMALL
   if tiles:
-    monkeypatch.setattr(att, "MASKED_TILE", 128)
+    monkeypatch.setattr(plan_mod, "MASKED_TILE", 128)
     blocks = BlockSizes(256, 256, 256, 256)
   q, k, v = qkv(sq=512 if tiles else 256, h=2, kvh=1)
   params = pltpu.InterpretParams(detect_races=True)
@@ -578,7 +580,7 @@ def test_aot_folded_tiled_and_banded_grids(generation, monkeypatch):
   kv = sds((1, 2, 4096, 128), bf16)
   blocks = None if generation == "v4" else BlockSizes(1024, 1024, 1024, 1024)
   for fused in (True, False):
-    monkeypatch.setattr(att, "FUSED_DQ_VMEM", 1 / 8 if fused else 0.0)
+    monkeypatch.setattr(plan_mod, "FUSED_DQ_VMEM", 1 / 8 if fused else 0.0)
     for kw in (dict(causal=True), dict(causal=True, sliding_window=1024)):
       f = functools.partial(att.flash_attention, layout="BHSD", block_sizes=blocks, **kw)
       grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))

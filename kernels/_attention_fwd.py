@@ -1,0 +1,160 @@
+"""The forward kernel of :mod:`kernels.attention`: the online softmax over one q block's kv blocks.
+
+Grid ``(batch, heads, q blocks, kv blocks)`` (folded when causal, banded with a window; see
+:mod:`kernels._attention_plan`), the kv axis innermost and sequential. The running maximum ``m``
+is kept lane-replicated and the denominator ``l`` as lane partial sums, both ``(block_q, 128)``,
+so that no step needs a cross-lane op; the math walks the kv block in sub-blocks of
+``plan.bkv_compute`` keys. It writes the output and ``lse``, the backward's residual.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels._attention_plan import (NEG_INF, _NN, _NT, _block_needed, _branches, _compiler_params, _full_block,
+                                     _keep_tile, _masked_tiles, _Plan, _Problem, _q_major_grid, _q_major_ids,
+                                     _q_major_inputs, _Refs, _scaled_q_rows, _seq_shape, _seq_spec, _soft_cap,
+                                     _visibility_tile, _zero_rows)
+
+
+_LANES = 128  # m is kept lane-replicated and l as lane partial sums, (bq, 128): no cross-lane op per step
+
+
+def _lanes(x, n: int):
+  """A lane-replicated ``(rows, 128)`` array as ``(rows, n)``: whole-vreg copies (n a multiple of
+  128) or a lane slice, never a cross-lane broadcast."""
+  if n == x.shape[1]:
+    return x
+  if n % x.shape[1] == 0:
+    return jnp.tile(x, (1, n // x.shape[1]))
+  return x[:, :n] if n < x.shape[1] else jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+
+
+def _lane_partials(x):
+  """``(rows, n)`` -> ``(rows, 128)``: the sum of its 128-lane column groups (whole-vreg adds).
+  The forward keeps the softmax denominator as such lane partial sums and reduces across
+  lanes once, at the end, instead of a cross-lane sum (XLU work) per kv sub-block."""
+  out = x[:, :_LANES]
+  for c in range(1, x.shape[1] // _LANES):
+    out = out + x[:, c * _LANES:(c + 1) * _LANES]
+  return out
+
+
+def _scaled_q(q_ref, scale):
+  return _scaled_q_rows(q_ref, slice(None), scale)
+
+
+def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
+  r = _Refs(refs, names)
+  b, h, i, j, first, last, active = _q_major_ids(p, plan, [pl.program_id(a) for a in range(4)])
+  bq, bkv = plan.bq, plan.bkv
+
+  @pl.when(first)
+  def _init():
+    if p.sinks:
+      r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1], r.m.shape)
+      r.l[...] = jnp.where(lax.broadcasted_iota(jnp.int32, r.l.shape, 1) == 0, 1.0, 0.0)  # sums to 1
+    else:
+      r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
+      r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
+    r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+    r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
+
+  def tile(rows, cols, masked: bool):
+    """The online-softmax update of q rows ``rows`` by keys ``cols`` of the kv block (static slices)."""
+    q = r.qs[rows, :]
+    k, v = r.k[cols, :], r.v[cols, :]
+    nr, bkc = q.shape[0], k.shape[0]
+    k0 = j * bkv + cols.start  # first key of the tile
+    if masked and p.skv % bkv:
+      k = _zero_rows(k, p.skv - k0)
+      v = _zero_rows(v, p.skv - k0)
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    s = _soft_cap(s, p.softcap)
+    if p.bias_shape is not None:
+      s = s + r.bias[rows, cols].astype(jnp.float32)
+    qpos = i * bq + rows.start + lax.broadcasted_iota(jnp.int32, (nr, 1), 0)
+    kpos = k0 + lax.broadcasted_iota(jnp.int32, (1, bkc), 1)
+    if masked:
+      s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i, cols, rows), s, NEG_INF)
+    m_prev = r.m[rows, :]  # (rows, 128): the row's value in every lane
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    # a row with nothing visible yet keeps m = -inf: subtract 0 so exp gives 0, not NaN
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+    m_wide = _lanes(m_use, bkc)
+    if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
+      e = jnp.exp((s - m_wide).astype(jnp.bfloat16))
+      part = _lane_partials(e.astype(jnp.float32))
+    else:
+      e = jnp.exp(s - m_wide)
+      part = _lane_partials(e)
+    alpha = jnp.exp(m_prev - m_use)
+    r.l[rows, :] = alpha * r.l[rows, :] + part
+    if p.dropout_rate:
+      keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
+      e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
+    r.acc[rows, :] = _lanes(alpha, p.d) * r.acc[rows, :] + lax.dot_general(
+        e.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+    r.m[rows, :] = m_new
+
+  def step(masked: bool):
+    # kv sub-blocks: smaller f32 temporaries, same DMA block
+    bkc = plan.bkv_compute
+    if not masked or (plan.bq_masked, plan.bkv_masked) == (bq, bkc):
+      for c in range(bkv // bkc):
+        tile(pl.ds(0, bq), pl.ds(c * bkc, bkc), masked)
+      return
+    # A block crossing the causal diagonal / window edge: cut it into (bq_masked, bkv_masked)
+    # tiles, each skipped, run unmasked or run masked on its own (a 1024 x 1024 diagonal block
+    # in 512 x 512 tiles: one skipped, one unmasked, two masked).
+    _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
+
+  if plan.folded or plan.band:
+    needed = active
+  elif p.skips:
+    needed = _block_needed(p, bq, bkv, i, j)
+  else:
+    needed = True
+  _branches(needed, _full_block(p, bq, bkv, i, j, q_tail=False), step)
+
+  @pl.when(last)
+  def _finish():
+    l = r.l[...].sum(axis=1, keepdims=True)  # the lane partial sums -> the row's denominator
+    r.o[...] = (r.acc[...] / jnp.broadcast_to(jnp.where(l > 0, l, 1.0), r.acc.shape)).astype(r.o.dtype)
+    m = r.m[:, :1]
+    r.lse[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
+
+
+def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, interpret):
+  """q, k, v in the kernel's layout -> (out in that layout, lse [B, H, Sq] f32)."""
+  bq = plan.bq
+  args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan)
+  sq = pl.squeezed
+  q_ids = functools.partial(_q_major_ids, p, plan)
+  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3]),
+               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (*q_ids(g)[:3], 0))]
+  out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype),
+               jax.ShapeDtypeStruct((p.b, p.h, p.sq, 1), jnp.float32)]
+  names += ["o", "lse", "m", "l", "acc", "qs"]
+  scratch = [pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
+             pltpu.VMEM((bq, p.d), jnp.float32),
+             pltpu.VMEM((bq, p.d), p.dtype)]
+  grid = _q_major_grid(p, plan)
+  frac = 0.5 if p.causal else 1.0
+  isz = p.dtype.itemsize
+  cost = pl.CostEstimate(flops=int(4 * p.b * p.h * p.sq * p.skv * p.d * frac),
+                         transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
+                         bytes_accessed=int(isz * (2 * q.size + k.size + v.size)))
+  call = pl.pallas_call(
+      functools.partial(_fwd_kernel, p=p, plan=plan, names=names),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
+      name="flash_attention_fwd")
+  out, lse = call(*args)
+  return out, lse.reshape(p.b, p.h, p.sq)
