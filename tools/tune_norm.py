@@ -97,13 +97,16 @@ BENCH_BACKWARD_WIDTHS = (1024, 4096)  # forward + backward (XLA's program takes 
 
 
 def bytes_moved(cfg) -> int:
-  """HBM bytes the fused kernels must move (the roofline's numerator), bf16."""
+  """HBM bytes the program must move (the roofline's numerator), bf16: each input read once, each
+  output written once. The forward reads x (and r) and writes y (and h). Forward + backward as one
+  program reads x, dy (and r, dh) and writes y, dx (and h): the backward's second read of x (or h),
+  which separate passes need, is not compulsory inside one program (XLA can keep it in VMEM)."""
   n = ROWS * cfg["hidden"] * jnp.dtype(cfg["dtype"]).itemsize
   if cfg["impl"].startswith("copy"):
     return 2 * n
-  fwd = (4 if cfg["residual"] else 2) * n   # read x (and r), write y (and h)
-  bwd = (4 if cfg["residual"] else 3) * n   # read h, dy (and dh), write dx
-  return fwd + (bwd if cfg["mode"] == "fwdbwd" else 0)
+  if cfg["mode"] == "fwdbwd":
+    return (7 if cfg["residual"] else 4) * n
+  return (4 if cfg["residual"] else 2) * n
 
 
 def _program(cfg):
@@ -339,6 +342,35 @@ def tune(args):
       result_tables.save(table, BLOCKS_OUT)
 
 
+def derive(table: dict) -> int:
+  """Recomputes every stored record's roofline fields (``bytes``, ``fraction_of_roofline``,
+  ``valid``) from its floored time and :func:`bytes_moved`; returns how many records changed."""
+  changed = 0
+
+  def fix(r, cfg):
+    nonlocal changed
+    if "us" not in r:
+      return
+    b = bytes_moved(cfg)
+    frac = round(b / kernels.get_chip(cfg["generation"]).hbm_bandwidth / (r["us"] * 1e-6), 4)
+    new = {"fraction_of_roofline": frac, "valid": frac <= 1.0 + 1e-9 and not r.get("unmodeled")}
+    if "bytes" in r:
+      new["bytes"] = b
+    changed += any(r.get(k) != v for k, v in new.items())
+    r.update(new)
+
+  for r in table.get("results", {}).values():
+    fix(r, r)
+  for gen, per_dtype in table.get("defaults", {}).items():
+    for dtype, entries in per_dtype.items():
+      for e in entries:
+        for field, mode in (("forward", "fwd"), ("forward_under_grad", "fwdgrad"), ("forward_and_backward", "fwdbwd")):
+          if isinstance(e.get(field), dict):
+            fix(e[field], {"generation": gen, "impl": "ours", "dtype": dtype, "hidden": e["hidden"],
+                           "residual": e.get("residual", True), "mode": mode})
+  return changed
+
+
 def _current(r: dict, cfg: dict) -> bool:
   """Whether a stored result is up to date: floored on today's byte count, and of its implementation's
   current version (an older count is redone by ``tools/refloor.py norm_bench --recount-all``, which keeps
@@ -403,13 +435,14 @@ def bench(args):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("job", choices=("tune", "bench", "one"))
+  ap.add_argument("job", choices=("tune", "bench", "one", "derive"))
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*")
   ap.add_argument("--widths", nargs="*", type=int)
   ap.add_argument("--kinds", nargs="*", default=["layer", "rms"])
   ap.add_argument("--impls", nargs="*", help="(bench) only these implementations: ours, xla, copy_xla, copy_pallas")
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--tables", nargs="*", help="(derive) these table files (default: both)")
   ap.add_argument("--jobs", type=int, default=2, help="estimates run at once, each in its own process")
   args = ap.parse_args(argv)
   if args.job == "one":
@@ -417,6 +450,12 @@ def main(argv=None):
       print(json.dumps(estimate(json.loads(args.config))))
     except Exception as e:  # noqa: BLE001 - reported to the parent
       print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+    return
+  if args.job == "derive":  # (after a change to bytes_moved: no estimate runs)
+    for path in (args.tables or (BENCH_OUT, BLOCKS_OUT)):
+      table = result_tables.load(path)
+      print(f"{path}: {derive(table)} records re-derived")
+      result_tables.save(table, path)
     return
   if args.job == "tune":
     args.generations = args.generations or list(TUNE_GENERATIONS)
