@@ -362,6 +362,8 @@ def derive(table: dict) -> int:
   for r in table.get("results", {}).values():
     fix(r, r)
   for gen, per_dtype in table.get("defaults", {}).items():
+    if gen == "v4":  # (copies of v5p's records)
+      continue
     for dtype, entries in per_dtype.items():
       for e in entries:
         for field, mode in (("forward", "fwd"), ("forward_under_grad", "fwdgrad"), ("forward_and_backward", "fwdbwd")):
