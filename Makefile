@@ -38,7 +38,9 @@ sync-check: $(STAMP)
 	$(BIN)/python tools/site.py sync-check
 
 # --- tests ----------------------------------------------------------------
-# Two workers (this project's CI machines have two cores); notebooks stay on one worker.
+# Two workers (this project's CI machines have two cores). Tests, notebooks included, go one at a
+# time to whichever worker is free, the longest first (tests/conftest.py); the notebooks share the
+# jupyter-cache under a file lock (tests/test_notebooks.py).
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
@@ -49,7 +51,7 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not notebook"
 
 test-notebooks: $(STAMP)
-	$(BIN)/python -m pytest -m notebook
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m notebook
 
 clean:
 	rm -rf _build

@@ -5,13 +5,53 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import kernels  # noqa: E402,F401  (before JAX initialises a backend: enables the TPU cost model)
 import pytest  # noqa: E402
 
+# The AOT tests that also run in CI's second pass (Python 3.12, newest jax), marked `aot_smoke`
+# here rather than in the test files. That pass selects
+#     -m "not notebook and (not tpu_aot or aot_smoke)"
+# i.e. every unit and interpret-mode test (what changes with the jax version) plus this list: the
+# TPU lowering of each kernel at its defaults, forward and backward, on one generation each (spread
+# over the generations), the child-process compile path (v4), the compiler-error classification
+# and the cost model. The full AOT matrix (every kernel, v4/v5e/v5p/v6e, defaults and benchmark
+# configurations) runs once, in `make test`. A new kernel adds its entry here.
+# A run that selects `aot_smoke` fails if an entry no longer names a collected test.
+AOT_SMOKE = (
+    # kernels.tpu: compile in process (cost-model flags) and in a child process (v4), readable
+    # compiler errors, the static cost model
+    "tests/test_tpu_aot.py::test_compiles_for_every_generation[v5e]",
+    "tests/test_tpu_aot.py::test_compiles_for_every_generation[v4]",
+    "tests/test_tpu_aot.py::test_bad_tiling_is_a_kernel_error",
+    "tests/test_tpu_aot.py::test_vmem_overflow_is_a_kernel_error[v5e]",
+    "tests/test_tpu_aot.py::test_mosaic_failure_is_readable",
+    "tests/test_tpu_aot.py::test_estimate_is_positive_labelled_and_below_roofline",
+    "tests/test_backend.py::test_lowering_for_tpu_gets_the_mosaic_kernel",
+    # one compile per kernel, forward and backward, at its defaults
+    "tests/test_matmul.py::test_aot_compiles_at_defaults[v6e]",
+    "tests/test_attention.py::test_aot_forward_and_backward_at_defaults[v5e]",
+    "tests/test_norm.py::test_aot_compiles_forward_and_backward[v5p]",
+)
+
+# Scheduling. xdist (`--dist loadgroup`) hands tests out one at a time, in collection order, to
+# whichever worker is free: starting with the longest tests (notebooks, 1-3 min each, then the
+# AOT compiles) keeps both workers busy to the end instead of leaving one with a long tail.
+_ORDER = ("notebook", "tpu_aot")
+
 
 def _tpu_aot_available() -> bool:
   from kernels import tpu
   return tpu.available()
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the markers must be on the items by then
 def pytest_collection_modifyitems(config, items):
+  by_id = {item.nodeid: item for item in items}
+  for nodeid in AOT_SMOKE:
+    if nodeid in by_id:
+      by_id[nodeid].add_marker(pytest.mark.aot_smoke)
+  if "aot_smoke" in (config.option.markexpr or "") and not any("::" in arg for arg in config.args):
+    stale = [nodeid for nodeid in AOT_SMOKE if nodeid not in by_id]
+    if stale:
+      raise pytest.UsageError(f"tests/conftest.py AOT_SMOKE names tests that were not collected: {stale}")
+
   # AOT tests need libtpu (jax[tpu]); CI installs it, so there they always run.
   if any("tpu_aot" in item.keywords for item in items) and not _tpu_aot_available():
     if os.environ.get("CI"):
@@ -20,3 +60,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
       if "tpu_aot" in item.keywords:
         item.add_marker(skip)
+
+  def rank(item):
+    return next((i for i, mark in enumerate(_ORDER) if item.get_closest_marker(mark)), len(_ORDER))
+  items.sort(key=rank)  # stable: within a rank, collection order

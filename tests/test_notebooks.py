@@ -12,10 +12,19 @@ notebooks again, and a notebook whose code has not changed since its last
 successful run (here or in ``make docs``) is not executed again either. The key
 does not cover the ``kernels`` package itself: ``NOTEBOOKS_REEXECUTE=1`` runs every
 notebook regardless (and refreshes the cache); CI starts from an empty cache.
+
+The notebooks are independent (each runs in its own kernel), so pytest-xdist spreads
+them over its workers like any other test. jupyter-cache is not safe for concurrent
+writers: it creates its sqlite database without a lock (two processes starting on an
+empty cache race to create the tables) and stores a notebook in several unguarded
+steps (files, record, cache truncation). Every access to the cache therefore holds an
+exclusive ``fcntl`` lock on ``_build/.jupyter_cache.lock``; the execution does not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import re
@@ -47,6 +56,19 @@ def _load_conf():
 
 CONF = _load_conf()
 CACHE_PATH = Path(CONF.nb_execution_cache_path)
+CACHE_LOCK = CACHE_PATH.with_name(CACHE_PATH.name + ".lock")
+
+
+@contextlib.contextmanager
+def cache_lock():
+    """Exclusive, cross-process lock for the jupyter-cache (and the kernelspec install).
+
+    Held only while reading or writing the cache, never while a notebook executes.
+    """
+    CACHE_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def _is_text_notebook(path: Path) -> bool:
@@ -119,8 +141,7 @@ def _describe_failure(path: Path, notebook, index: int | None, err: Exception) -
     return f"{path.relative_to(ROOT)} failed in {where}\n\n{error}"
 
 
-@pytest.mark.notebook
-@pytest.mark.xdist_group("notebooks")  # one worker writes the shared jupyter-cache (sqlite)
+@pytest.mark.notebook  # (no xdist_group: the workers share the cache through cache_lock)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook(path: Path, monkeypatch):
     from jupyter_cache import get_cache
@@ -130,17 +151,19 @@ def test_notebook(path: Path, monkeypatch):
 
     notebook = read_notebook(path)
     cache = get_cache(str(CACHE_PATH))
-    try:
-        record = cache.match_cache_notebook(notebook)
-    except KeyError:
-        record = None
+    with cache_lock():  # (the first access creates the database)
+        try:
+            record = cache.match_cache_notebook(notebook)
+        except KeyError:
+            record = None
     if record is not None and os.environ.get("NOTEBOOKS_REEXECUTE") != "1":
         # The same code already ran successfully (here or in `make docs`).  The cache key
         # does not cover the `kernels` package: set NOTEBOOKS_REEXECUTE=1 to run anyway.
         print(f"{path.name}: executed notebook found in {CACHE_PATH} (ID={record.pk}), not re-executed")
         return
 
-    kernel_python = _kernel_python()
+    with cache_lock():  # two workers must not install the kernelspec at once
+        kernel_python = _kernel_python()
     assert os.path.realpath(kernel_python) == os.path.realpath(sys.executable), (
         f"the {KERNEL_NAME!r} kernel runs {kernel_python}, not this environment's {sys.executable}; "
         f"run `{sys.executable} -m ipykernel install --sys-prefix`")
@@ -167,11 +190,13 @@ def test_notebook(path: Path, monkeypatch):
         pytest.fail(failure, pytrace=False)
     seconds = time.perf_counter() - start
 
-    record = cache.cache_notebook_bundle(
-        CacheBundleIn(notebook, str(path), data={"execution_seconds": seconds}),
-        check_validity=False,
-        overwrite=True,
-    )
-    # The docs build must find it: match a freshly read copy, as myst-nb will.
-    assert cache.match_cache_notebook(read_notebook(path)).pk == record.pk
+    with cache_lock():
+        record = cache.cache_notebook_bundle(
+            CacheBundleIn(notebook, str(path), data={"execution_seconds": seconds}),
+            check_validity=False,
+            overwrite=True,
+        )
+        # The docs build must find it: match a freshly read copy, as myst-nb will.
+        matched = cache.match_cache_notebook(read_notebook(path)).pk
+    assert matched == record.pk
     print(f"{path.name}: executed in {seconds:.1f} s, cached as ID={record.pk} in {CACHE_PATH}")
