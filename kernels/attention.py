@@ -166,7 +166,7 @@ from kernels._attention_fwd import _pallas_forward
 from kernels._attention_plan import (NEG_INF, _dropout_rows, _in_layout, _make_plan, _out_layout, _Plan, _Problem,
                                      _soft_cap, _visible)
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, check
+from kernels.errors import KernelError, VmemOverflowError, check
 from kernels.matmul import dropout_keep_mask, dropout_seed
 
 __all__ = ["BlockSizes", "attention_reference", "default_block_sizes", "flash_attention"]
@@ -384,11 +384,22 @@ def attention_reference(q, k, v, *, causal=False, segment_ids=None, sliding_wind
 
 
 def _plan(p: _Problem, blocks: BlockSizes | None, backward: bool) -> _Plan:
-  """The plan of one kernel call: ``blocks`` (None: the target generation's defaults) fitted to ``p``."""
-  if blocks is None:
-    chip = target_chip()
-    blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.d)
-  return _make_plan(p, blocks, backward)
+  """The plan of one kernel call: ``blocks`` (None: the target generation's defaults) fitted to ``p``.
+
+  Default blocks that do not fit the chip's VMEM (f32 on v4's 16 MiB, say) are halved, down to 128,
+  until they do: a default call never fails on its blocks. Blocks a caller chose are kept or rejected."""
+  if blocks is not None:
+    return _make_plan(p, blocks, backward)
+  chip = target_chip()
+  blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.d)
+  while True:
+    try:
+      return _make_plan(p, blocks, backward)
+    except VmemOverflowError:
+      smaller = BlockSizes(*(max(128, b // 2) for b in dataclasses.astuple(blocks)))
+      if smaller == blocks:
+        raise
+      blocks = smaller
 
 
 def _float0(x):

@@ -228,7 +228,7 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
 
 
 def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat16,
-                    transpose_a: bool = False) -> BlockSizes:
+                    transpose_a: bool = False, transpose_b: bool = False, *, legalize: bool = False) -> BlockSizes:
   """The blocks the kernel really uses for ``[m, k] @ [k, n]``.
 
   A block larger than its dimension becomes the whole dimension, except that a few
@@ -236,9 +236,23 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
   tiles (16 bf16 rows, 32 int8 rows), the block hanging over the array's edge:
   Mosaic compiles 8-row bf16 blocks, but libtpu's LLO type check (run by its cost
   model) rejects the MXU operands they produce.
+
+  With ``legalize`` (default blocks, which are tuned for other shapes) a block that
+  breaks the tiling rule in its role here is rounded up to the multiple the rule asks
+  (128 where the dimension is some operand's lane dimension), or to the whole
+  dimension when that is smaller: a default call never fails on its blocks. Blocks a
+  caller chose are not changed; the planner rejects illegal ones by name.
   """
   bm, bk, bn = (min(blocks.bm, m), min(blocks.bk, k), min(blocks.bn, n))
   sub = tiling.sublane_multiple(dtype)
+  if legalize:
+    def legal(b: int, d: int, multiple: int) -> int:
+      return b if b == d or b % multiple == 0 else min(d, tiling.round_up(b, multiple))
+    # M is A's lane dimension when A is transposed; K is a lane dimension unless both
+    # operands hold it on sublanes (A transposed, B not); N is the output's lanes.
+    bm = legal(bm, m, tiling.LANES if transpose_a else sub)
+    bk = legal(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
+    bn = legal(bn, n, tiling.LANES)
   if bm == m and m % sub and not transpose_a:
     bm = min(blocks.bm, tiling.round_up(m, sub))
   return BlockSizes(bm, bk, bn)
@@ -481,12 +495,14 @@ class _Plan:
 
 def _plan(p: _Problem, blocks: BlockSizes | None, *, save_z: bool) -> _Plan:
   chip = target_chip()
-  if blocks is None:
+  default = blocks is None
+  if default:
     blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.m, p.k, p.n)
   for name in ("bm", "bk", "bn"):
     v = getattr(blocks, name)
     check(isinstance(v, (int, np.integer)) and v > 0, "block_sizes", blocks, f"{name} must be a positive int")
-  bm, bk, bn = dataclasses.astuple(fit_block_sizes(blocks, p.m, p.k, p.n, p.dtype, p.transpose_a))
+  bm, bk, bn = dataclasses.astuple(fit_block_sizes(blocks, p.m, p.k, p.n, p.dtype, p.transpose_a, p.transpose_b,
+                                                   legalize=default))
   # Mosaic's tiling rule on each operand's 2-D block, in its own (rows, cols) layout.
   a_block, a_shape = ((bk, bm), (p.k, p.m)) if p.transpose_a else ((bm, bk), (p.m, p.k))
   b_block, b_shape = ((bn, bk), (p.n, p.k)) if p.transpose_b else ((bk, bn), (p.k, p.n))

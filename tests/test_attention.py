@@ -504,6 +504,23 @@ def test_default_block_sizes():
       assert plan.folded and (plan.bq_masked, plan.bkv_masked) == (512, 512), plan
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(sq=st.integers(1, 2048), skv=st.integers(1, 2048), d=st.sampled_from([32, 64, 96, 128, 192, 256]),
+       causal=st.booleans(), bf16=st.booleans(), gqa=st.booleans(), gen=st.sampled_from(kernels.TPU_GENERATIONS))
+def test_default_plan_never_fails(sq, skv, d, causal, bf16, gqa, gen):
+  """The default plan (table lookup, fitting, tiling, VMEM), forward and backward, for any sequence
+  lengths in 1..2048 and the usual head sizes: a default call never fails on its blocks."""
+  dtype = jnp.bfloat16 if bf16 else jnp.float32
+  q = jax.ShapeDtypeStruct((1, sq, 4, d), dtype)
+  k = jax.ShapeDtypeStruct((1, skv, 2 if gqa else 4, d), dtype)
+  p, _, _ = att._validate(q, k, k, causal=causal and sq == skv, segment_ids=None, sliding_window=None,
+                          logits_soft_cap=None, scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0,
+                          dropout_key=None, layout="BSHD")
+  with kernels.backend.target(gen):
+    for backward in (False, True):
+      att._plan(p, None, backward)
+
+
 # --- ahead-of-time compilation for TPU ------------------------------------------------------
 
 sds = jax.ShapeDtypeStruct

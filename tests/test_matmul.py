@@ -464,6 +464,58 @@ def test_block_sizes_defaults_and_fitting():
     BlockSizes().bm = 3
 
 
+def _default_plan(gen, dtype, m, k, n, ta, tb):
+  sd = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  a, b = sd((k, m) if ta else (m, k)), sd((n, k) if tb else (k, n))
+  quant = jnp.dtype(dtype) == jnp.int8
+  p = mm._validate(a, b, transpose_a=ta, transpose_b=tb, bias=None, activation=None, out_dtype=None,
+                   precision=None, dropout_rate=0.0, dropout_key=None, quantized=quant)
+  with kernels.backend.target(gen):
+    return mm._plan(p, None, save_z=False)
+
+
+def test_default_blocks_are_legal_for_every_dimension_from_1_to_2048():
+  """Every table entry a default call can pick, legalized for every M, K and N in 1..2048 and each
+  transpose combination, passes Mosaic's tiling rule on all three operand blocks. (fit_block_sizes
+  legalizes each dimension from that dimension alone, so the diagonal m = k = n = d covers them all;
+  the test below checks that claim on whole plans.)"""
+  table = kernels.tiling.block_table("matmul")
+  checked = 0
+  for dtype in (jnp.bfloat16, jnp.float32, jnp.int8):
+    candidates = {mm._FALLBACK} | {BlockSizes(e["bm"], e["bk"], e["bn"]) for per_gen in table.values()
+                                   for e in per_gen.get(jnp.dtype(dtype).name, [])}
+    for blocks, ta, tb in itertools.product(candidates, (False, True), (False, True)):
+      for d in range(1, 2049):
+        bm, bk, bn = dataclasses.astuple(mm.fit_block_sizes(blocks, d, d, d, dtype, ta, tb, legalize=True))
+        kernels.tiling.check_block_shape("a", (bk, bm) if ta else (bm, bk), (d, d))
+        kernels.tiling.check_block_shape("b", (bn, bk) if tb else (bk, bn), (d, d))
+        kernels.tiling.check_block_shape("out", (bm, bn), (d, d))
+        checked += 1
+  assert checked > 3 * 4 * 2048
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(m=st.integers(1, 2048), k=st.integers(1, 2048), n=st.integers(1, 2048), ta=st.booleans(), tb=st.booleans(),
+       gen=st.sampled_from(kernels.TPU_GENERATIONS), dtype=st.sampled_from([jnp.bfloat16, jnp.float32, jnp.int8]))
+def test_default_plan_never_fails(m, k, n, ta, tb, gen, dtype):
+  """The whole default plan (table lookup, legalization, tiling and VMEM checks) for random shapes."""
+  plan = _default_plan(gen, dtype, m, k, n, ta, tb)
+  assert plan.grid[-3:] == (math.ceil(m / plan.bm), math.ceil(n / plan.bn), math.ceil(k / plan.bk))
+
+
+def test_default_plan_with_transposed_a_at_every_small_m():
+  """The reported failure: matmul(a, b, transpose_a=True), a (489, 62), b (489, 372), raised TilingError
+  (a bm=16 default against an M of 62, which is A's lane dimension). Every M from 1 to 130 plans; a few run."""
+  for gen in kernels.TPU_GENERATIONS:
+    for m in range(1, 131):
+      _default_plan(gen, jnp.bfloat16, m, 489, 372, True, False)
+  for m in (62, 130):
+    a = jax.random.normal(jax.random.key(0), (489, m), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (489, 372), jnp.float32)
+    got = matmul(a, b, transpose_a=True, implementation="pallas", interpret=True)
+    np.testing.assert_allclose(got, matmul_reference(a, b, transpose_a=True), rtol=2e-5, atol=2e-4)
+
+
 # --- ahead-of-time compilation for TPU -----------------------------------------------
 
 sds = jax.ShapeDtypeStruct

@@ -478,6 +478,23 @@ def test_default_blocks_fit_every_generation():
   assert nm.default_block_sizes(None) == nm.default_block_sizes("v5e")
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 2048), hidden=st.integers(1, 2048), kind=st.sampled_from(["layer", "rms"]),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float32]), residual=st.booleans(),
+       gen=st.sampled_from(kernels.TPU_GENERATIONS))
+def test_default_plan_never_fails(rows, hidden, kind, dtype, residual, gen):
+  """The default plan (table lookup, fitting, tiling rule and VMEM, both passes) for any rows and width
+  in 1..2048: a default call never fails on its blocks."""
+  x = jax.ShapeDtypeStruct((rows, hidden), dtype)
+  vec = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+  p = nm._validate(kind, x, vec, vec if kind == "layer" else None, x if residual else None, 1e-6)
+  with kernels.backend.target(gen):
+    plan = nm._plan(p, BlockSizes())
+    for r, backward in ((plan.rows, False), (plan.backward_rows, True)):
+      grid, _ = nm._rows_plan(p, r, backward)
+      assert grid == (-(-rows // r),)
+
+
 def test_block_table_extra_keys_are_ignored(monkeypatch):
   # An entry of an older table may still carry output_dmas (DMAs per output block, since removed).
   entry = {"hidden": 1024, "kind": "layer", "residual": False, "rows": 256, "backward_rows": 128, "output_dmas": 4}
