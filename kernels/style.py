@@ -33,6 +33,7 @@ _STYLES = {
     "megablox gmm": ("#CC6677", "h", ("megablox", "gmm")),
     "ragged_dot": ("#332288", "p", ("lax ragged dot",)),
     "dense capacity einsum": ("#44AA99", "d", ("capacity einsum", "dense einsum")),
+    "tokamax": ("#DDCC77", "*", ("tokamax layer_norm",)),
     "roofline": ("#000000", None, ()),
     "HBM floor": ("#777777", None, ("copy", "hbm copy")),
 }

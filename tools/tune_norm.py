@@ -20,7 +20,9 @@ own time (``model_us``) and the floor (``floor_us``) stay beside it and are neve
   v5e and v6e: layer and RMS norm, with and without the residual, forward alone (and
   forward plus backward at widths 1024 and 4096), ours (default blocks) against XLA's jnp
   composition (``kernels.norm.*_reference``, which XLA fuses itself; with the residual it
-  is the unfused composition ``h = x + r``, norm, autodiff). Also a plain copy of a
+  is the unfused composition ``h = x + r``, norm, autodiff), and, without the residual,
+  against ``tokamax.layer_norm`` (the best public normalization for a TPU; it runs its XLA
+  implementation there) when tokamax imports. Also a plain copy of a
   ``[8192, width]`` bf16 array, by XLA (``x * 2``) and by a Pallas copy kernel: under the
   floor both sit at the published bandwidth, which checks the floor, not the kernels.
 
@@ -96,6 +98,17 @@ BENCH_WIDTHS = (1024, 4096, 16384)
 BENCH_BACKWARD_WIDTHS = (1024, 4096)  # forward + backward (XLA's program takes minutes to estimate)
 
 
+def _tokamax() -> bool:
+  """Whether tokamax imports: the best public normalization for a TPU. Its release ships Triton
+  and Mosaic GPU kernels only, so on a TPU ``tokamax.layer_norm`` runs its XLA implementation."""
+  try:
+    import tokamax  # noqa: F401
+  except ImportError:
+    print("tokamax is not importable: its rows are skipped (pip install tokamax, or PYTHONPATH)")
+    return False
+  return True
+
+
 def bytes_moved(cfg) -> int:
   """HBM bytes the program must move (the roofline's numerator), bf16: each input read once, each
   output written once. The forward reads x (and r) and writes y (and h). Forward + backward as one
@@ -134,6 +147,10 @@ def _program(cfg):
       norm = lambda x, r, s, b: nm.layer_norm(x, s, b, residual=r, block_sizes=blocks)  # noqa: E731
     else:
       norm = lambda x, r, s, b: nm.rms_norm(x, s, residual=r, block_sizes=blocks)  # noqa: E731
+  elif cfg["impl"] == "tokamax":  # tokamax's layer_norm: on a TPU it has only its XLA implementation
+    import tokamax
+    norm = lambda x, r, s, b: tokamax.layer_norm(x, s, b if layer else None, subtract_mean=layer,  # noqa: E731
+                                                 implementation="xla")
   else:
     if layer:
       norm = lambda x, r, s, b: nm.layer_norm_reference(x, s, b, residual=r)  # noqa: E731
@@ -404,9 +421,9 @@ def bench(args):
     for kind in ("layer", "rms"):
       for residual in (False, True):
         for mode in ("fwd", "fwdbwd") if hidden in BENCH_BACKWARD_WIDTHS else ("fwd",):
-          for impl in ("ours", "xla"):
-            if args.impls and impl not in args.impls:
-              continue
+          for impl in ("ours", "xla", "tokamax"):
+            if (args.impls and impl not in args.impls) or (impl == "tokamax" and (residual or not _tokamax())):
+              continue  # (tokamax has no fused residual: with one it is XLA's composition)
             configs.append(dict(generation=gen, kind=kind, dtype="bfloat16", hidden=hidden, residual=residual,
                                 mode=mode, impl=impl))
   key = lambda cfg: "/".join(str(cfg.get(k)) for k in ("generation", "impl", "kind", "hidden", "residual", "mode"))  # noqa: E731
@@ -442,7 +459,7 @@ def main(argv=None):
   ap.add_argument("--generations", nargs="*")
   ap.add_argument("--widths", nargs="*", type=int)
   ap.add_argument("--kinds", nargs="*", default=["layer", "rms"])
-  ap.add_argument("--impls", nargs="*", help="(bench) only these implementations: ours, xla, copy_xla, copy_pallas")
+  ap.add_argument("--impls", nargs="*", help="(bench) only these implementations: ours, xla, tokamax, copy_xla, copy_pallas")
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--tables", nargs="*", help="(derive) these table files (default: both)")
   ap.add_argument("--jobs", type=int, default=2, help="estimates run at once, each in its own process")
