@@ -36,6 +36,13 @@ AOT_SMOKE = (
 _ORDER = ("notebook", "tpu_aot")
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--one-variant", action="store_true",
+      help="run each parametrized test function with its first parameters only (CI's newest-jax pass: "
+           "every code path once on the newest jax; the full parameter matrix runs in `make test`)")
+
+
 def _tpu_aot_available() -> bool:
   from kernels import tpu
   return tpu.available()
@@ -60,6 +67,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
       if "tpu_aot" in item.keywords:
         item.add_marker(skip)
+
+  if config.getoption("one_variant"):
+    seen, keep, drop = set(), [], []
+    for item in items:
+      fn = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+      (drop if fn in seen and "aot_smoke" not in item.keywords else keep).append(item)
+      seen.add(fn)
+    if drop:
+      config.hook.pytest_deselected(items=drop)
+      items[:] = keep
 
   def rank(item):
     return next((i for i, mark in enumerate(_ORDER) if item.get_closest_marker(mark)), len(_ORDER))
