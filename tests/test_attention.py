@@ -555,6 +555,9 @@ def test_aot_forward_and_backward_at_defaults(generation):
     return att.flash_attention(q, k, v, segment_ids=s, sinks=sk, sliding_window=256, logits_soft_cap=30.0, **kw)
   comp = compile_plain(everything, (q, kv, kv) + opts, generation)
   assert "tpu_custom_call" in comp.hlo
+  # with lse (odd q blocks: its (1, block_q) rows need not be whole lane tiles)
+  comp = compile_plain(functools.partial(everything, return_residuals=True), (q, kv, kv) + opts, generation)
+  assert "tpu_custom_call" in comp.hlo
   drop = functools.partial(everything, dropout_rate=0.1, dropout_key=jax.random.key(0))
   comp = compile_plain(drop, (q, kv, kv) + opts, generation)
   assert "tpu_custom_call" in comp.hlo
@@ -563,6 +566,30 @@ def test_aot_forward_and_backward_at_defaults(generation):
                        (sds((4, 8, 8, 128), bf16), sds((4, 4097, 1, 128), bf16), sds((4, 4097, 1, 128), bf16)),
                        generation)
   assert "tpu_custom_call" in comp.hlo
+
+
+@pytest.mark.tpu_aot
+def test_aot_lse_written_only_when_needed_and_compact():
+  # Issue 23, item 3. Inference writes only the output. lse, when written (return_residuals, or a
+  # gradient's residual), is [B, H, Sq] f32 in HBM, not [B, H, Sq, 1], whose (8, 128) tiles pad
+  # each row to 128 lanes (512 bytes a row). Neither the forward nor the backward makes the padded copy.
+  b, h, s, d = 1, 8, 8192, 128  # (shorter, the padded lse fitted in VMEM and did not show)
+  q = sds((b, h, s, d), bf16)
+  out_bytes, lse_bytes = b * h * s * d * 2, b * h * s * 4
+  f = functools.partial(att.flash_attention, causal=True, layout="BHSD")
+  mem = compile_plain(f, (q, q, q), "v5e").memory
+  assert mem["output"] == out_bytes and mem["temp"] < lse_bytes, mem
+  mem = compile_plain(functools.partial(f, return_residuals=True), (q, q, q), "v5e").memory
+  assert out_bytes + lse_bytes <= mem["output"] < out_bytes + 2 * lse_bytes and mem["temp"] < lse_bytes, mem
+
+  def vjp(q, k, v, do):
+    return jax.vjp(f, q, k, v)[1](do)
+  for fused in (True, False):  # dq in the dk/dv kernel, or in its own
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(plan_mod, "FUSED_DQ_VMEM", 1 / 8 if fused else 0.0)
+      mem = compile_plain(vjp, (q, q, q, q), "v5e").memory
+    # temporaries: lse and D (and their padding to whole q blocks), never a 128-lane padded copy
+    assert 3 * out_bytes <= mem["output"] < 3 * out_bytes + lse_bytes and mem["temp"] <= 8 * lse_bytes, (fused, mem)
 
 
 @pytest.mark.tpu_aot
