@@ -8,7 +8,8 @@ Both recompute the probabilities from the forward's ``lse`` and ``D = rowsum(dO 
   every matmul in the MXU's native form and puts ``lse`` and ``D`` on the lane axis, as stored.
   When ``plan.fused_dq``, it also accumulates dq for all the group's q rows in VMEM.
 * dq: the forward's grid, ``dq += ds k``, when dq is not fused (long sequences, a bias, whose
-  gradient it writes).
+  gradient it writes). It reads ``lse`` and ``D`` as lane rows too (compact in HBM) and
+  transposes them into ``(bq, 1)`` columns once per q block.
 """
 from __future__ import annotations
 

@@ -22,7 +22,10 @@ innermost and sequential. Each step computes ``s = q k^T`` on the MXU (f32), app
 the soft cap, bias and masks, and updates the online softmax: a running row maximum
 ``m``, a running denominator ``l`` and an f32 accumulator ``acc`` in VMEM scratch,
 ``acc = exp(m_old - m) * acc + exp(s - m) @ v``. The last kv step writes
-``acc / l`` and ``lse = m + log(l)`` (an output used by the backward pass).
+``acc / l`` and, when a gradient or ``return_residuals`` needs it, ``lse = m + log(l)``
+(the backward's residual): in inference the kernel has no lse output. lse is stored
+lane-dense, a ``(1, block_q)`` row per q block (the lane-replicated ``(block_q, 128)``
+tile transposed), since a ``[B, H, Sq, 1]`` array's HBM tiles pad each row to 128 lanes.
 ``scale`` is folded into the q tile (``block_q x head_dim`` multiplies instead of
 ``block_q x block_kv``). Three details matter to speed: ``m`` is kept lane-replicated,
 ``(block_q, 128)`` with the row's value in every lane, so using it against a tile is
@@ -96,7 +99,8 @@ XLA reduction. Two kernels (one when dq is fused, see below):
   ``s^T = k q^T`` (``block_kv x block_q``), which keeps every matmul in the MXU's
   native form (``p^T dO``, ``v dO^T``, ``ds^T q``) and puts ``lse`` and ``D`` on the
   lane axis, as stored.
-* dq: the forward's grid, ``dq += ds k``, when not fused (below).
+* dq: the forward's grid, ``dq += ds k``, when not fused (below); it reads ``lse`` and ``D``
+  along lanes too and transposes them into columns once per q block.
 
 Both skip the blocks the forward skips (the dk/dv index maps clamp the q block).
 *Fused dq* (``_Plan.fused_dq``): when the group's f32 dq (``group x q_len x D``) and
