@@ -446,6 +446,23 @@ def test_gradients_segments_mask_bias_sinks():
   grads_close(dict(segment_ids=seg, mask=mask, causal=True), q, k, v, extra=extra, argnums=(0, 1, 2, 3, 4))
 
 
+def test_gradients_through_return_residuals():
+  # With return_residuals the custom_vjp's primal and cotangent are (out, lse), without them out
+  # alone (the inference kernel writes no lse): the same gradients, the same lse and output.
+  q, k, v = qkv(sq=200, h=2, kvh=1, d=64)
+  kw = dict(causal=True, sinks=jnp.asarray([0.3, -0.2]))
+  w = rand((1, 200, 2, 64), seed=9)
+  plain = jax.grad(lambda *a: (run(*a, **kw) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+  res = jax.grad(lambda *a: (run(*a, return_residuals=True, **kw)[0] * w).sum(), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(plain, res):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  (out, lse), vjp = jax.vjp(lambda *a: run(*a, return_residuals=True, **kw), q, k, v)
+  ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
+  close(out, ref)
+  close(lse, ref_lse)
+  assert all(np.isfinite(np.asarray(g)).all() for g in vjp((w, jnp.zeros_like(lse))))
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 
