@@ -599,12 +599,14 @@ def test_aot_lse_written_only_when_needed_and_compact():
   mem = compile_plain(functools.partial(f, return_residuals=True), (q, q, q), "v5e").memory
   assert out_bytes + lse_bytes <= mem["output"] < out_bytes + 2 * lse_bytes and mem["temp"] < lse_bytes, mem
 
-  def vjp(q, k, v, do):
-    return jax.vjp(f, q, k, v)[1](do)
   for fused in (True, False):  # dq in the dk/dv kernel, or in its own
+    def vjp(q, k, v, do):  # a new function each time: jit's cache would return the first trace
+      return jax.vjp(f, q, k, v)[1](do)
     with pytest.MonkeyPatch.context() as mp:
       mp.setattr(plan_mod, "FUSED_DQ_VMEM", 1 / 8 if fused else 0.0)
-      mem = compile_plain(vjp, (q, q, q, q), "v5e").memory
+      comp = compile_plain(vjp, (q, q, q, q), "v5e")
+    assert comp.hlo.count("tpu_custom_call") == (2 if fused else 3)
+    mem = comp.memory
     # temporaries: lse and D (and their padding to whole q blocks), never a 128-lane padded copy
     assert 3 * out_bytes <= mem["output"] < 3 * out_bytes + lse_bytes and mem["temp"] <= 8 * lse_bytes, (fused, mem)
 
