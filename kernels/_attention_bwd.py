@@ -8,7 +8,8 @@ Both recompute the probabilities from the forward's ``lse`` and ``D = rowsum(dO 
   every matmul in the MXU's native form and puts ``lse`` and ``D`` on the lane axis, as stored.
   When ``plan.fused_dq``, it also accumulates dq for all the group's q rows in VMEM.
 * dq: the forward's grid, ``dq += ds k``, when dq is not fused (long sequences, a bias, whose
-  gradient it writes).
+  gradient it writes). It reads ``lse`` and ``D`` as lane rows too (compact in HBM) and
+  transposes them into ``(bq, 1)`` columns once per q block.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
   @pl.when(first)
   def _init():
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+    # lse and D arrive as (1, bq) lane rows (compact in HBM); the tiles want (bq, 1) columns:
+    # transpose once per q block, not per step
+    for row, col in ((r.lse, r.lse_col), (r.delta, r.delta_col)):
+      col[...] = jnp.broadcast_to(row[...], (128, bq)).T[:, :1]
 
   def tile(rows, cols, masked: bool):
     """dq of q rows ``rows`` from keys ``cols`` of the kv block (static slices)."""
@@ -56,12 +61,12 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     kpos = k0 + lax.broadcasted_iota(jnp.int32, (1, nc), 1)
     if masked:
       s = jnp.where(_visibility_tile(p, r, qpos, kpos, b, h, i, cols, rows), s, NEG_INF)
-    e = jnp.exp(s - r.lse[rows, :])   # lse of a row with nothing visible is +inf here (see f_bwd): e = 0
+    e = jnp.exp(s - r.lse_col[rows, :])   # lse of a row with nothing visible is +inf here (see f_bwd): e = 0
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     if p.dropout_rate:
       keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       dp = jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)), 0.0)
-    ds = e * (dp - r.delta[rows, :])
+    ds = e * (dp - r.delta_col[rows, :])
     if p.bias_shape is not None:
       r.dbias[rows, cols] = ds
     if t is not None:
@@ -204,10 +209,10 @@ def _dq_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *,
   frac = 0.5 if p.causal else 1.0
   sq_pad = lse.shape[-1]   # lse and delta come padded to whole q blocks
   q_ids = functools.partial(_q_major_ids, p, plan)
-  row_stat = pl.BlockSpec((sq, sq, bq, 1), lambda *g: (*q_ids(g)[:3], 0))
+  row_stat = pl.BlockSpec((sq, sq, 1, bq), lambda *g: (lambda b, h, i: (b, h, 0, i))(*q_ids(g)[:3]))
   extra = [("do", do, _seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3])),
-           ("lse", lse.reshape(p.b, p.h, sq_pad, 1), row_stat),
-           ("delta", delta.reshape(p.b, p.h, sq_pad, 1), row_stat)]
+           ("lse", lse.reshape(p.b, p.h, 1, sq_pad), row_stat),
+           ("delta", delta.reshape(p.b, p.h, 1, sq_pad), row_stat)]
   args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan,
                                           extra=extra)
   out_specs = [_seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3])]
@@ -217,7 +222,7 @@ def _dq_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *,
     out_specs.append(pl.BlockSpec((sq, sq, bq, bkv), lambda *g: q_ids(g)[:4]))
     out_shape.append(jax.ShapeDtypeStruct((p.b, p.h, p.sq, p.skv), jnp.float32))
     names.append("dbias")
-  names.append("acc")
+  names += ["acc", "lse_col", "delta_col"]
   cost = pl.CostEstimate(flops=int(6 * p.b * p.h * p.sq * p.skv * p.d * frac),
                          transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
                          bytes_accessed=int(isz * (3 * q.size + k.size + v.size)))
@@ -225,7 +230,9 @@ def _dq_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *,
       functools.partial(_dq_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=_q_major_grid(p, plan),
                                              in_specs=in_specs, out_specs=out_specs,
-                                             scratch_shapes=[pltpu.VMEM((bq, p.d), jnp.float32)]),
+                                             scratch_shapes=[pltpu.VMEM((bq, p.d), jnp.float32),
+                                                             pltpu.VMEM((bq, 1), jnp.float32),
+                                                             pltpu.VMEM((bq, 1), jnp.float32)]),
       out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
       name="flash_attention_dq")
   outs = call(*args)

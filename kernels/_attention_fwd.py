@@ -4,7 +4,8 @@ Grid ``(batch, heads, q blocks, kv blocks)`` (folded when causal, banded with a 
 :mod:`kernels._attention_plan`), the kv axis innermost and sequential. The running maximum ``m``
 is kept lane-replicated and the denominator ``l`` as lane partial sums, both ``(block_q, 128)``,
 so that no step needs a cross-lane op; the math walks the kv block in sub-blocks of
-``plan.bkv_compute`` keys. It writes the output and ``lse``, the backward's residual.
+``plan.bkv_compute`` keys. It writes the output and, when asked (a gradient or ``return_residuals``),
+``lse``, the backward's residual, lane-dense: one ``(1, block_q)`` row per q block.
 """
 from __future__ import annotations
 
@@ -126,21 +127,32 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   def _finish():
     l = r.l[...].sum(axis=1, keepdims=True)  # the lane partial sums -> the row's denominator
     r.o[...] = (r.acc[...] / jnp.broadcast_to(jnp.where(l > 0, l, 1.0), r.acc.shape)).astype(r.o.dtype)
-    m = r.m[:, :1]
-    r.lse[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
+    if "lse" in names:
+      # lse as a lane-replicated (bq, 128) tile, transposed so that row 0 holds it along lanes:
+      # stored (1, bq), not (bq, 1), whose HBM tiles pad each row to 128 lanes
+      m = r.m[...]
+      lw = jnp.broadcast_to(l, m.shape)
+      lse = jnp.where(lw > 0, m + jnp.log(jnp.where(lw > 0, lw, 1.0)), NEG_INF)
+      r.lse[...] = lse.T[0:1, :]
 
 
-def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, interpret):
-  """q, k, v in the kernel's layout -> (out in that layout, lse [B, H, Sq] f32)."""
+def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, plan: _Plan, interpret,
+                    with_lse: bool = True):
+  """q, k, v in the kernel's layout -> (out in that layout, lse [B, H, Sq] f32, or None without ``with_lse``)."""
   bq = plan.bq
   args, names, in_specs = _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, plan=plan)
   sq = pl.squeezed
   q_ids = functools.partial(_q_major_ids, p, plan)
-  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3]),
-               pl.BlockSpec((sq, sq, bq, 1), lambda *g: (*q_ids(g)[:3], 0))]
-  out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype),
-               jax.ShapeDtypeStruct((p.b, p.h, p.sq, 1), jnp.float32)]
-  names += ["o", "lse", "m", "l", "acc", "qs"]
+  out_specs = [_seq_spec(plan, bq, p.d, lambda *g: q_ids(g)[:3])]
+  out_shape = [jax.ShapeDtypeStruct(_seq_shape(p, plan, p.h, p.sq), p.dtype)]
+  names.append("o")
+  if with_lse:
+    # [B, H, q blocks, 1, bq]: the block's last two dims are the array's, legal for any bq, and
+    # its (1, bq) rows take bq * 4 bytes in HBM (rounded up to 128 lanes)
+    out_specs.append(pl.BlockSpec((sq, sq, sq, 1, bq), lambda *g: (*q_ids(g)[:3], 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((p.b, p.h, plan.nq, 1, bq), jnp.float32))
+    names.append("lse")
+  names += ["m", "l", "acc", "qs"]
   scratch = [pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
              pltpu.VMEM((bq, p.d), jnp.float32),
              pltpu.VMEM((bq, p.d), p.dtype)]
@@ -156,5 +168,7 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
                                              out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
       name="flash_attention_fwd")
-  out, lse = call(*args)
-  return out, lse.reshape(p.b, p.h, p.sq)
+  outs = call(*args)
+  if not with_lse:
+    return outs[0], None
+  return outs[0], outs[1].reshape(p.b, p.h, plan.nq * bq)[:, :, :p.sq]

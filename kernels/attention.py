@@ -22,7 +22,10 @@ innermost and sequential. Each step computes ``s = q k^T`` on the MXU (f32), app
 the soft cap, bias and masks, and updates the online softmax: a running row maximum
 ``m``, a running denominator ``l`` and an f32 accumulator ``acc`` in VMEM scratch,
 ``acc = exp(m_old - m) * acc + exp(s - m) @ v``. The last kv step writes
-``acc / l`` and ``lse = m + log(l)`` (an output used by the backward pass).
+``acc / l`` and, when a gradient or ``return_residuals`` needs it, ``lse = m + log(l)``
+(the backward's residual): in inference the kernel has no lse output. lse is stored
+lane-dense, a ``(1, block_q)`` row per q block (the lane-replicated ``(block_q, 128)``
+tile transposed), since a ``[B, H, Sq, 1]`` array's HBM tiles pad each row to 128 lanes.
 ``scale`` is folded into the q tile (``block_q x head_dim`` multiplies instead of
 ``block_q x block_kv``). Three details matter to speed: ``m`` is kept lane-replicated,
 ``(block_q, 128)`` with the row's value in every lane, so using it against a tile is
@@ -96,7 +99,8 @@ XLA reduction. Two kernels (one when dq is fused, see below):
   ``s^T = k q^T`` (``block_kv x block_q``), which keeps every matmul in the MXU's
   native form (``p^T dO``, ``v dO^T``, ``ds^T q``) and puts ``lse`` and ``D`` on the
   lane axis, as stored.
-* dq: the forward's grid, ``dq += ds k``, when not fused (below).
+* dq: the forward's grid, ``dq += ds k``, when not fused (below); it reads ``lse`` and ``D``
+  along lanes too and transposes them into columns once per q block.
 
 Both skip the blocks the forward skips (the dk/dv index maps clamp the q block).
 *Fused dq* (``_Plan.fused_dq``): when the group's f32 dq (``group x q_len x D``) and
@@ -406,26 +410,33 @@ def _float0(x):
   return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, blocks, interpret):
-  """Caller-layout q, k, v -> (out in the caller's layout, lse); differentiable (custom_vjp)."""
+def _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, blocks, interpret,
+                 return_residuals):
+  """Caller-layout q, k, v -> out in the caller's layout (and lse with ``return_residuals``);
+  differentiable (custom_vjp). Undifferentiated and without ``return_residuals``, the kernel
+  writes no lse."""
   fplan = _plan(p, blocks, backward=False)
 
-  def forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
+  def forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, with_lse):
     out, lse = _pallas_forward(_in_layout(q, p, fplan), _in_layout(k, p, fplan), _in_layout(v, p, fplan), sinks,
-                               bias, seg_q, seg_kv, mask, seed, p=p, plan=fplan, interpret=interpret)
+                               bias, seg_q, seg_kv, mask, seed, p=p, plan=fplan, interpret=interpret,
+                               with_lse=with_lse)
     return _out_layout(out, p, fplan, p.h), lse
+
+  def result(out, lse):
+    return (out, lse) if return_residuals else out
 
   @jax.custom_vjp
   def f(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
-    return forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed)
+    return result(*forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, with_lse=return_residuals))
 
   def f_fwd(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
-    out, lse = forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed)
-    return (out, lse), (q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse)
+    out, lse = forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, with_lse=True)
+    return result(out, lse), (q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse)
 
   def f_bwd(res, cts):
     q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse = res
-    do, _ = cts  # the lse output is a residual for callers, not differentiated
+    do = cts[0] if return_residuals else cts  # the lse output is a residual for callers, not differentiated
     bplan = _plan(p, blocks, backward=True)
     # A row with nothing visible has lse = -inf; as +inf, exp(s - lse) is 0 for its (masked, -inf) logits.
     # lse and delta are padded to whole q blocks (+inf, 0), so the dk/dv kernel, which reads them
@@ -507,11 +518,12 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=N
   def xla(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
     out, lse = _reference(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), sinks, bias, seg_q, seg_kv,
                           mask, seed, p=p)
-    return _to_bhsd(out, layout), lse
+    return _finish(out, lse, p, return_residuals)
 
   def pallas(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, interpret):
-    return _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, blocks=blocks, interpret=interpret)
+    return _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, blocks=blocks, interpret=interpret,
+                        return_residuals=return_residuals)
 
-  out, lse = dispatch("flash_attention", q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, pallas=pallas, xla=xla,
-                      implementation=implementation, interpret=interpret)
-  return (out, lse) if return_residuals else out
+  # both return out, or (out, lse) with return_residuals: the kernel writes lse only when it is used
+  return dispatch("flash_attention", q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, pallas=pallas, xla=xla,
+                  implementation=implementation, interpret=interpret)

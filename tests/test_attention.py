@@ -446,6 +446,23 @@ def test_gradients_segments_mask_bias_sinks():
   grads_close(dict(segment_ids=seg, mask=mask, causal=True), q, k, v, extra=extra, argnums=(0, 1, 2, 3, 4))
 
 
+def test_gradients_through_return_residuals():
+  # With return_residuals the custom_vjp's primal and cotangent are (out, lse), without them out
+  # alone (the inference kernel writes no lse): the same gradients, the same lse and output.
+  q, k, v = qkv(sq=200, h=2, kvh=1, d=64)
+  kw = dict(causal=True, sinks=jnp.asarray([0.3, -0.2]))
+  w = rand((1, 200, 2, 64), seed=9)
+  plain = jax.grad(lambda *a: (run(*a, **kw) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+  res = jax.grad(lambda *a: (run(*a, return_residuals=True, **kw)[0] * w).sum(), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(plain, res):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  (out, lse), vjp = jax.vjp(lambda *a: run(*a, return_residuals=True, **kw), q, k, v)
+  ref, ref_lse = att.attention_reference(q, k, v, return_residuals=True, **kw)
+  close(out, ref)
+  close(lse, ref_lse)
+  assert all(np.isfinite(np.asarray(g)).all() for g in vjp((w, jnp.zeros_like(lse))))
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 
@@ -555,6 +572,9 @@ def test_aot_forward_and_backward_at_defaults(generation):
     return att.flash_attention(q, k, v, segment_ids=s, sinks=sk, sliding_window=256, logits_soft_cap=30.0, **kw)
   comp = compile_plain(everything, (q, kv, kv) + opts, generation)
   assert "tpu_custom_call" in comp.hlo
+  # with lse (odd q blocks: its (1, block_q) rows need not be whole lane tiles)
+  comp = compile_plain(functools.partial(everything, return_residuals=True), (q, kv, kv) + opts, generation)
+  assert "tpu_custom_call" in comp.hlo
   drop = functools.partial(everything, dropout_rate=0.1, dropout_key=jax.random.key(0))
   comp = compile_plain(drop, (q, kv, kv) + opts, generation)
   assert "tpu_custom_call" in comp.hlo
@@ -563,6 +583,32 @@ def test_aot_forward_and_backward_at_defaults(generation):
                        (sds((4, 8, 8, 128), bf16), sds((4, 4097, 1, 128), bf16), sds((4, 4097, 1, 128), bf16)),
                        generation)
   assert "tpu_custom_call" in comp.hlo
+
+
+@pytest.mark.tpu_aot
+def test_aot_lse_written_only_when_needed_and_compact():
+  # Issue 23, item 3. Inference writes only the output. lse, when written (return_residuals, or a
+  # gradient's residual), is [B, H, Sq] f32 in HBM, not [B, H, Sq, 1], whose (8, 128) tiles pad
+  # each row to 128 lanes (512 bytes a row). Neither the forward nor the backward makes the padded copy.
+  b, h, s, d = 1, 8, 8192, 128  # (shorter, the padded lse fitted in VMEM and did not show)
+  q = sds((b, h, s, d), bf16)
+  out_bytes, lse_bytes = b * h * s * d * 2, b * h * s * 4
+  f = functools.partial(att.flash_attention, causal=True, layout="BHSD")
+  mem = compile_plain(f, (q, q, q), "v5e").memory
+  assert mem["output"] == out_bytes and mem["temp"] < lse_bytes, mem
+  mem = compile_plain(functools.partial(f, return_residuals=True), (q, q, q), "v5e").memory
+  assert out_bytes + lse_bytes <= mem["output"] < out_bytes + 2 * lse_bytes and mem["temp"] < lse_bytes, mem
+
+  for fused in (True, False):  # dq in the dk/dv kernel, or in its own
+    def vjp(q, k, v, do):  # a new function each time: jit's cache would return the first trace
+      return jax.vjp(f, q, k, v)[1](do)
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(plan_mod, "FUSED_DQ_VMEM", 1 / 8 if fused else 0.0)
+      comp = compile_plain(vjp, (q, q, q, q), "v5e")
+    assert comp.hlo.count("tpu_custom_call") == (2 if fused else 3)
+    mem = comp.memory
+    # temporaries: lse and D (and their padding to whole q blocks), never a 128-lane padded copy
+    assert 3 * out_bytes <= mem["output"] < 3 * out_bytes + lse_bytes and mem["temp"] <= 8 * lse_bytes, (fused, mem)
 
 
 @pytest.mark.tpu_aot
