@@ -57,7 +57,8 @@ pass planes to avoid it.
 (``a_t``, times ``1 - reset_t``), the gradient of the state is a scan in the opposite
 direction, ``g_t = dy_t + A_{t+1} g_{t+1}``, started from the cotangent of the final
 state; then ``db_t = g_t``, ``da_t = g_t * h_{t-1}`` (times ``1 - reset_t``) and
-``dh0 = A_0 g_0``. The shifted gate ``A_{t+1}`` comes from rolling the tile's gates by
+``dh0 = A_0 g_0`` (with complex planes, the conjugates of ``A`` and ``h``: the planes are a
+real function). The shifted gate ``A_{t+1}`` comes from rolling the tile's gates by
 one row, its last row carried from the tile processed before. ``h_{t-1}`` comes from
 the forward's output ``h`` (as stored, so rounded to bf16 for bf16 ``b``) rolled one
 row; its edge row is the last row of the neighbouring tile of the VMEM block or, at a
@@ -344,6 +345,11 @@ def _add(x, y):
   return tuple(u + v for u, v in zip(x, y))
 
 
+def _conj(x):
+  """The complex conjugate of a plane tuple (a real value is its own)."""
+  return x if len(x) == 1 else (x[0], -x[1])
+
+
 def _identity(v, valid, one: bool):
   """``v`` with the rows where ``valid`` is False set to 1 (``one``) or 0 (complex: 1 + 0i)."""
   return tuple(jnp.where(valid, u, 1.0 if one and i == 0 else 0.0) for i, u in enumerate(v))
@@ -493,7 +499,9 @@ def _backward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int):
       g_in, a_in, acc = carry
       at = pl.ds(pl.multiple_of(k * rows, rows), rows)
       row = lax.broadcasted_iota(jnp.int32, (rows, ls), 0)
-      A = _gate(p, a_refs, tok_refs, at, lanes, (rows, ls))
+      # (Complex planes: the backward of h = A h' + b as a real function of the planes multiplies by
+      # conj(A) and conj(h'); JAX's convention for complex64 arrays follows from real/imag/complex.)
+      A = _conj(_gate(p, a_refs, tok_refs, at, lanes, (rows, ls)))
       dy = tuple(dr[at, lanes].astype(jnp.float32) for dr in dy_refs)
       h = tuple(hr[at, lanes].astype(jnp.float32) for hr in h_refs)
       # h_{t-1} (the state before row t in the forward's order): h rolled one row, with its edge row
@@ -505,13 +513,13 @@ def _backward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int):
       at_edge = (k == 0) if up else (k == n_tiles - 1)
       edge = tuple(jnp.where(at_edge, s_, e) for s_, e in zip(starts, edge))
       edge_in = row == (0 if up else rows - 1)
-      h_prev = tuple(jnp.where(edge_in, e, u) for e, u in zip(edge, _roll(h, 1 if up else -1, rows)))
+      h_prev = _conj(tuple(jnp.where(edge_in, e, u) for e, u in zip(edge, _roll(h, 1 if up else -1, rows))))
       if ragged:
         t = first + k * rows + row
         valid = t < p.seq
         A, dy = _identity(A, valid, one=True), _identity(dy, valid, one=False)
         prev_valid = (t + (-1 if up else 1)) < p.seq  # (reverse: row seq-1's h_{t-1} is the carry in: h0)
-        h_prev = tuple(jnp.where(prev_valid, u, s_) for u, s_ in zip(h_prev, starts))
+        h_prev = tuple(jnp.where(prev_valid, u, s_) for u, s_ in zip(h_prev, _conj(starts)))
       # g_t = dy_t + A_{t+1} g_{t+1}: the gates rolled one row toward the rows processed first.
       a_next = tuple(jnp.where(row == (rows - 1 if up else 0), e, u)
                      for e, u in zip(a_in, _roll(A, -1 if up else 1, rows)))
@@ -549,7 +557,7 @@ def _backward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int):
       ar[:, lanes] = v
     for ar, v in zip(acc_refs, acc):
       ar[:, lanes] += jnp.sum(v, axis=0, keepdims=True)
-  dh0 = _mul(tuple(ar[...] for ar in an_refs), tuple(gr[...] for gr in g_refs))  # dh0 = A_0 g_0
+  dh0 = _mul(tuple(ar[...] for ar in an_refs), tuple(gr[...] for gr in g_refs))  # dh0 = A_0 g_0 (conj(A_0))
   for dr, v in zip(dh0_refs, dh0):
     dr[...] = v
   if p.gate == "time":
@@ -783,7 +791,9 @@ def linear_scan(a, b, *, h0=None, reverse=False, reset=None, return_final_state=
     ``return_final_state``, ``(h, h_last)`` where ``h_last`` is ``[batch, width]``
     float32 (complex64 for complex inputs), the state after ``t = seq - 1`` (after
     ``t = 0`` when reversed), unrounded. Differentiable in ``a``, ``b`` and ``h0`` (the
-    backward pass is a Pallas kernel); composes with jit, vmap and shard_map.
+    backward pass is a Pallas kernel); composes with jit, vmap and ``jax.shard_map`` (with
+    ``check_vma=False``, as any ``pallas_call`` needs; the batch and width axes may be
+    sharded, the sequence axis must not be).
 
   Raises:
     KernelError: bad input, naming the argument, before anything is lowered.
