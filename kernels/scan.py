@@ -710,21 +710,22 @@ def _pallas_path(a, b, h0, keep, *, p: _Problem, blocks: BlockSizes, interpret):
                               f"{p.b_dtype.name} b (float64 runs on the XLA path)")
   plan = _plan(p, blocks)
 
-  def run(a, b, h0, save):
+  def run(a, b, h0, keep, save):
     return _pallas_forward(a, _token_stream(p, a, keep), b, h0, p=p, plan=plan, interpret=interpret,
                            save_starts=save)
 
+  # (keep is an argument, not a closure: a custom_vjp must not close over traced arrays)
   @jax.custom_vjp
-  def f(a, b, h0):
-    h, last, _ = run(a, b, h0, False)
+  def f(a, b, h0, keep):
+    h, last, _ = run(a, b, h0, keep, False)
     return h, last
 
-  def f_fwd(a, b, h0):
-    h, last, starts = run(a, b, h0, True)
-    return (h, last), (a, h, starts)
+  def f_fwd(a, b, h0, keep):
+    h, last, starts = run(a, b, h0, keep, True)
+    return (h, last), (a, h, starts, keep)
 
   def f_bwd(res, ct):
-    a, h, starts = res
+    a, h, starts, keep = res
     dy, dlast = ct
     dlast = tuple(v.astype(jnp.float32) for v in dlast)
     db, da, dh0 = _pallas_backward(a, _token_stream(p, a, keep), h, starts, dy, dlast, p=p, plan=plan,
@@ -733,10 +734,11 @@ def _pallas_path(a, b, h0, keep, *, p: _Problem, blocks: BlockSizes, interpret):
       da = tuple(v.sum(axis=1) * keep if keep is not None else v.sum(axis=1) for v in da)
     elif p.gate == "time":
       da = tuple(v.sum(axis=(0, 1)) for v in da)
-    return tuple(v.astype(u.dtype) for v, u in zip(da, a)), db, dh0
+    dkeep = None if keep is None else jnp.zeros_like(keep)
+    return tuple(v.astype(u.dtype) for v, u in zip(da, a)), db, dh0, dkeep
 
   f.defvjp(f_fwd, f_bwd)
-  return f(a, b, h0)
+  return f(a, b, h0, keep)
 
 
 def _split(v):
