@@ -639,6 +639,17 @@ def _bytes(p: _Problem, backward: bool) -> int:
   return (2 * a + 3 * b) if backward else (a + 2 * b)
 
 
+def _call(kernel, *, p: _Problem, plan: _Plan, backward: bool, interpret, **kw):
+  """The pallas_call of one of the kernels on ``plan``'s grid (its specs, shapes and scratch in ``kw``)."""
+  return pl.pallas_call(
+      functools.partial(kernel, p=p, tc=plan.tc, wb=plan.wb, n_chunks=plan.grid(p)[2]), grid=plan.grid(p),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS,
+                                           vmem_limit_bytes=_limit(p, plan, backward)),
+      cost_estimate=pl.CostEstimate(flops=(6 if backward else 2) * p.batch * p.seq * p.width * p.planes ** 2,
+                                    transcendentals=0, bytes_accessed=_bytes(p, backward)),
+      interpret=interpret, name="linear_scan_backward" if backward else "linear_scan", **kw)
+
+
 def _pallas_forward(a, tok, b, h0, *, p: _Problem, plan: _Plan, interpret, save_starts: bool):
   """(h planes, final state planes, per-chunk start states or ())."""
   specs = _specs(p, plan, False)
@@ -652,15 +663,9 @@ def _pallas_forward(a, tok, b, h0, *, p: _Problem, plan: _Plan, interpret, save_
   if save_starts:
     out_shape += [jax.ShapeDtypeStruct((p.batch, grid[2], 1, p.width), jnp.float32)] * p.planes
     out_specs += [specs["start"]] * p.planes
-  call = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p, tc=plan.tc, wb=plan.wb, n_chunks=grid[2], save_starts=save_starts),
-      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((1, plan.wb), jnp.float32)] * p.planes,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS,
-                                           vmem_limit_bytes=_limit(p, plan, False)),
-      cost_estimate=pl.CostEstimate(flops=2 * p.batch * p.seq * p.width * p.planes ** 2, transcendentals=0,
-                                    bytes_accessed=_bytes(p, False)),
-      interpret=interpret, name="linear_scan")
+  call = _call(functools.partial(_forward_kernel, save_starts=save_starts), p=p, plan=plan, backward=False,
+               interpret=interpret, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+               scratch_shapes=[pltpu.VMEM((1, plan.wb), jnp.float32)] * p.planes)
   outs = call(*args)
   n = p.planes
   return tuple(outs[:n]), tuple(v.reshape(p.batch, p.width) for v in outs[n:2 * n]), tuple(outs[2 * n:])
@@ -683,15 +688,9 @@ def _pallas_backward(a, tok, h, starts, dy, dlast, *, p: _Problem, plan: _Plan, 
     da_shape, da_spec = row, specs["row"]
   n = p.planes
   scratch = [pltpu.VMEM((1, plan.wb), jnp.float32)] * (n * (3 if p.gate == "time" else 2))
-  call = pl.pallas_call(
-      functools.partial(_backward_kernel, p=p, tc=plan.tc, wb=plan.wb, n_chunks=grid[2]),
-      grid=grid, in_specs=in_specs, out_specs=[specs["seq"]] * n + [da_spec] * n + [specs["row"]] * n,
-      out_shape=[seq] * n + [da_shape] * n + [row] * n, scratch_shapes=scratch,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS,
-                                           vmem_limit_bytes=_limit(p, plan, True)),
-      cost_estimate=pl.CostEstimate(flops=6 * p.batch * p.seq * p.width * p.planes ** 2, transcendentals=0,
-                                    bytes_accessed=_bytes(p, True)),
-      interpret=interpret, name="linear_scan_backward")
+  call = _call(_backward_kernel, p=p, plan=plan, backward=True, interpret=interpret, in_specs=in_specs,
+               out_specs=[specs["seq"]] * n + [da_spec] * n + [specs["row"]] * n,
+               out_shape=[seq] * n + [da_shape] * n + [row] * n, scratch_shapes=scratch)
   outs = call(*args)
   return tuple(outs[:n]), tuple(outs[n:2 * n]), tuple(v.reshape(p.batch, p.width) for v in outs[2 * n:])
 

@@ -257,6 +257,11 @@ def test_jit_vmap_grad_shard_map_compose():
   g = jax.grad(lambda a: jnp.sum(call(a, b[0]) ** 2))(a)
   w = jax.grad(lambda a: jnp.sum(linear_scan_reference(a, b[0]) ** 2))(a)
   assert_grads_close([g], [w])
+  # reset traced under jit (its keep stream enters the custom_vjp as an argument), per-token gates
+  at = gate("token")
+  g = jax.jit(jax.grad(lambda a, r: jnp.sum(call(a, b[0], reset=r) ** 2)))(at, resets())
+  w = jax.grad(lambda a: jnp.sum(linear_scan_reference(a, b[0], reset=resets()) ** 2))(at)
+  assert_grads_close([g], [w])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
   spec = jax.sharding.PartitionSpec("x")
   # (check_vma=False, as for any pallas_call: its outputs carry no varying-axes annotation)

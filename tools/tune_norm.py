@@ -44,7 +44,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -203,16 +202,7 @@ def estimate_isolated(cfg) -> dict:
     return hit
   heavy = cfg.get("mode") == "fwdbwd" and cfg["hidden"] >= 4096 or cfg["hidden"] >= 16384
   with _heavy if heavy else contextlib.nullcontext():
-    try:
-      proc = subprocess.run([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)], capture_output=True,
-                            text=True, timeout=3600)
-    except subprocess.TimeoutExpired:
-      return {"error": "timed out after 3600 s"}
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-  if not lines:
-    tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
-    return {"error": (tail[-1][:200] if tail else f"exit {proc.returncode}")}
-  r = json.loads(lines[-1])
+    r = result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
   if "us" in r or r.get("error", "").startswith("CompileError"):  # (deterministic results only)
     with _cache_lock, open(CACHE, "a", encoding="utf-8") as fh:
       fh.write(f"{key}\t{json.dumps(r)}\n")

@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,16 +138,7 @@ def estimate(cfg) -> dict:
 
 def estimate_isolated(cfg) -> dict:
   """:func:`estimate` in a child process."""
-  try:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)], capture_output=True,
-                          text=True, timeout=3600)
-  except subprocess.TimeoutExpired:
-    return {"error": "timed out after 3600 s"}
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-  if not lines:
-    tail = [ln for ln in proc.stderr.splitlines() if "Error" in ln]
-    return {"error": tail[-1][:300] if tail else f"exit {proc.returncode}"}
-  return json.loads(lines[-1])
+  return result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
 
 
 def _header(description):
