@@ -52,3 +52,13 @@ def run_child(argv: list[str], timeout: float = 3600) -> dict:
     tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
     return {"error": tail[-1][:300] if tail else f"exit {proc.returncode}"}
   return json.loads(lines[-1])
+
+
+def print_result(fn, config: str) -> None:
+  """A sweep's ``one`` job: prints ``fn(json.loads(config))`` as one JSON line, or the error it raised
+  (what :func:`run_child` reads back in the parent)."""
+  try:
+    print(json.dumps(fn(json.loads(config))))
+  except Exception as e:  # noqa: BLE001 - reported to the parent
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    print(json.dumps({"error": f"{type(e).__name__}: {first}"}))

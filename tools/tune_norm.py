@@ -438,10 +438,7 @@ def main(argv=None):
   ap.add_argument("--jobs", type=int, default=2, help="estimates run at once, each in its own process")
   args = ap.parse_args(argv)
   if args.job == "one":
-    try:
-      print(json.dumps(estimate(json.loads(args.config))))
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-      print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+    result_tables.print_result(estimate, args.config)
     return
   if args.job == "derive":  # (after a change to bytes_moved: no estimate runs)
     for path in (args.tables or (BENCH_OUT, BLOCKS_OUT)):

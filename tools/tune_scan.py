@@ -241,10 +241,7 @@ def main(argv=None):
   ap.add_argument("--force", action="store_true")
   args = ap.parse_args(argv)
   if args.job == "one":
-    try:
-      print(json.dumps(estimate(json.loads(args.config))))
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-      print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}))
+    result_tables.print_result(estimate, args.config)
     return
   (tune if args.job == "tune" else bench)(args)
 
