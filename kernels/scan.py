@@ -23,12 +23,12 @@ scratch ``[1, width_block]`` across the chunks, set to ``h0`` at the first chunk
 
 *Inside a block.* The rows are processed a *tile* at a time: 8 rows for f32 operands,
 16 when an operand is bf16 (the native tile of a packed dtype), by a few hundred lanes
-(four f32 vector registers per operand). A tile's recurrence is a log-step
-(Hillis-Steele) scan held in registers: each row holds a pair ``(A, B)`` meaning
-``h = A * h_before + B``; ``log2(rows)`` steps combine each row with the row ``k``
-above it (rolled along sublanes; rows with no such row take the identity ``(1, 0)``),
-``(A, B) <- (A * A_k, A * B_k + B)``. Then ``h = A * carry + B`` for the whole tile
-and the carry becomes the last row. Tiles run in a ``lax.fori_loop`` (a few unrolled),
+(four f32 vector registers per operand). Each 8-row group of a tile (one f32 vector register per
+128 lanes) is a log-step (Hillis-Steele) scan held in registers: each row holds a pair
+``(A, B)`` meaning ``h = A * h_before + B``; 3 steps combine each row with the row ``k``
+= 1, 2, 4 above it (rolled along sublanes; rows with no such row take the identity
+``(1, 0)``), ``(A, B) <- (A * A_k, A * B_k + B)``. Then ``h = A * carry + B`` for the
+group and the carry becomes its last row; a 16-row tile chains its two groups so. Tiles run in a ``lax.fori_loop`` (a few unrolled),
 for each slice of lanes in turn, so the carry of one slice is a few registers.
 
 *Gates.* ``a`` may be ``[B, T, W]``; ``[B, T, 1]`` (one gate per token, broadcast
@@ -374,6 +374,24 @@ def _tile_scan(A, B, rows: int, down: bool):
   return A, B
 
 
+def _scan_rows(A, B, carry, down: bool):
+  """``h = A * h_before + B`` over the rows of a tile from ``carry`` (the state before its first
+  row processed): each 8-row group (one f32 vector register per 128 lanes) by a 3-step
+  :func:`_tile_scan`, the groups chained through the carry (a 16-row bf16 tile: 3 log steps per
+  group and a carry combine, not 4 log steps). Returns (h, the carry after the tile)."""
+  rows = A[0].shape[0]
+  groups = list(range(0, rows, tiling.SUBLANES))
+  h_of = {}
+  for g in (groups if down else groups[::-1]):
+    at = slice(g, g + tiling.SUBLANES)
+    a, b = _tile_scan(tuple(u[at] for u in A), tuple(u[at] for u in B), tiling.SUBLANES, down)
+    h_of[g] = _add(_mul(a, carry), b)
+    carry = tuple(v[tiling.SUBLANES - 1:] if down else v[:1] for v in h_of[g])
+  h = tuple(jnp.concatenate([h_of[g][i] for g in groups], axis=0) if len(groups) > 1 else h_of[0][i]
+            for i in range(len(A)))
+  return h, carry
+
+
 def _lane_slices(wb: int, rows: int):
   """Static (offset, size) lane slices of a width block."""
   size = max(tiling.LANES, TILE_ELEMENTS // rows)
@@ -451,11 +469,10 @@ def _forward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int, save_st
       if ragged:  # rows past the sequence: the identity, so they leave the carry as it is
         valid = first + k * rows + lax.broadcasted_iota(jnp.int32, (rows, ls), 0) < p.seq
         A, B = _identity(A, valid, one=True), _identity(B, valid, one=False)
-      A, B = _tile_scan(A, B, rows, down)
-      h = _add(_mul(A, carry), B)
+      h, carry = _scan_rows(A, B, carry, down)
       for hr, v in zip(h_refs, h):
         hr[at, lanes] = v.astype(hr.dtype)
-      return tuple(v[rows - 1:] if down else v[:1] for v in h)
+      return carry
 
     carry = tuple(cr[:, lanes] for cr in carry_refs)
     carry = _tile_loop(tc // rows, not down, tile, carry)
@@ -523,8 +540,7 @@ def _backward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int):
       # g_t = dy_t + A_{t+1} g_{t+1}: the gates rolled one row toward the rows processed first.
       a_next = tuple(jnp.where(row == (rows - 1 if up else 0), e, u)
                      for e, u in zip(a_in, _roll(A, -1 if up else 1, rows)))
-      P, Q = _tile_scan(a_next, dy, rows, down=not up)
-      g = _add(_mul(P, g_in), Q)
+      g, g_out = _scan_rows(a_next, dy, g_in, down=not up)
       for dr, v in zip(db_refs, g):
         dr[at, lanes] = v.astype(dr.dtype)
       gh = _mul(g, h_prev)  # d(A_t) = g_t h_{t-1}
@@ -545,8 +561,7 @@ def _backward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int):
         if ragged:
           gh = tuple(jnp.where(valid, u, 0.0) for u in gh)
         acc = _add(acc, gh)
-      pick = (lambda v: v[:1]) if up else (lambda v: v[rows - 1:])
-      return tuple(map(pick, g)), tuple(map(pick, A)), acc
+      return g_out, tuple(v[:1] if up else v[rows - 1:] for v in A), acc
 
     acc0 = tuple(jnp.zeros((rows, ls), jnp.float32) for _ in acc_refs)
     carry = (tuple(gr[:, lanes] for gr in g_refs), tuple(ar[:, lanes] for ar in an_refs), acc0)
