@@ -23,13 +23,15 @@ scratch ``[1, width_block]`` across the chunks, set to ``h0`` at the first chunk
 
 *Inside a block.* The rows are processed a *tile* at a time: 8 rows for f32 operands,
 16 when an operand is bf16 (the native tile of a packed dtype), by a few hundred lanes
-(four f32 vector registers per operand). Each 8-row group of a tile (one f32 vector register per
-128 lanes) is a log-step (Hillis-Steele) scan held in registers: each row holds a pair
-``(A, B)`` meaning ``h = A * h_before + B``; 3 steps combine each row with the row ``k``
-= 1, 2, 4 above it (rolled along sublanes; rows with no such row take the identity
-``(1, 0)``), ``(A, B) <- (A * A_k, A * B_k + B)``. Then ``h = A * carry + B`` for the
-group and the carry becomes its last row; a 16-row tile chains its two groups so. Tiles run in a ``lax.fori_loop`` (a few unrolled),
-for each slice of lanes in turn, so the carry of one slice is a few registers.
+(four f32 vector registers per operand). Each 8-row group of a tile (one f32 vector
+register per 128 lanes) is a log-step (Hillis-Steele) scan held in registers: each row
+holds a pair ``(A, B)`` meaning ``h = A * h_before + B``; 3 steps combine each row with
+the row ``k`` = 1, 2, 4 above it (rolled along sublanes; rows with no such row take the
+identity ``(1, 0)``), ``(A, B) <- (A * A_k, A * B_k + B)``. Then ``h = A * carry + B``
+for the group and the carry becomes its last row; a 16-row tile chains its two groups
+so (one log step fewer than scanning all 16 rows). Tiles run in a ``lax.fori_loop`` (a
+few unrolled), for each slice of lanes in turn, so the carry of one slice is a few
+registers.
 
 *Gates.* ``a`` may be ``[B, T, W]``; ``[B, T, 1]`` (one gate per token, broadcast
 across lanes); or ``[W]`` (time-invariant, one ``(1, width_block)`` block). A
@@ -77,6 +79,11 @@ estimates, floored, per generation and dtype) holds the default ``seq_chunk`` an
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the Pallas
 kernel when lowered for TPU and the reference (``lax.scan``) elsewhere. float64
 (with x64 enabled) runs only on the reference path.
+
+*Estimates.* ``tools/tune_scan.py bench`` stores compiler estimates (libtpu's cost
+model, floored at the HBM bandwidth; not measurements) of the kernels, of ``lax.scan``,
+``lax.associative_scan`` and Griffin's Pallas scan at ``[8, 4096, 2048]`` bf16 in
+``kernels/data/scan_bench.json``.
 """
 from __future__ import annotations
 
