@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 
 def load(path: str) -> dict:
@@ -36,3 +38,27 @@ def rss_gb(pid: int) -> float:
   except OSError:
     pass
   return 0.0
+
+
+def run_child(argv: list[str], timeout: float = 3600) -> dict:
+  """Runs ``python argv...`` (a sweep's ``one`` job, which prints its result as a JSON line) and
+  returns that result, or ``{"error": ...}`` (the child's last error line) if it printed none."""
+  try:
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
+    return {"error": tail[-1][:300] if tail else f"exit {proc.returncode}"}
+  return json.loads(lines[-1])
+
+
+def print_result(fn, config: str) -> None:
+  """A sweep's ``one`` job: prints ``fn(json.loads(config))`` as one JSON line, or the error it raised
+  (what :func:`run_child` reads back in the parent)."""
+  try:
+    print(json.dumps(fn(json.loads(config))))
+  except Exception as e:  # noqa: BLE001 - reported to the parent
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    print(json.dumps({"error": f"{type(e).__name__}: {first}"}))

@@ -46,7 +46,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -220,16 +219,7 @@ def estimate_isolated(cfg) -> dict:
     return hit
   heavy = cfg.get("mode") == "fwdbwd" and cfg["hidden"] >= 4096 or cfg["hidden"] >= 16384
   with _heavy if heavy else contextlib.nullcontext():
-    try:
-      proc = subprocess.run([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)], capture_output=True,
-                            text=True, timeout=3600)
-    except subprocess.TimeoutExpired:
-      return {"error": "timed out after 3600 s"}
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-  if not lines:
-    tail = [ln for ln in proc.stderr.splitlines() if ln.startswith("F") or "Error" in ln]
-    return {"error": (tail[-1][:200] if tail else f"exit {proc.returncode}")}
-  r = json.loads(lines[-1])
+    r = result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
   if "us" in r or r.get("error", "").startswith("CompileError"):  # (deterministic results only)
     with _cache_lock, open(CACHE, "a", encoding="utf-8") as fh:
       fh.write(f"{key}\t{json.dumps(r)}\n")
@@ -465,10 +455,7 @@ def main(argv=None):
   ap.add_argument("--jobs", type=int, default=2, help="estimates run at once, each in its own process")
   args = ap.parse_args(argv)
   if args.job == "one":
-    try:
-      print(json.dumps(estimate(json.loads(args.config))))
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-      print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+    result_tables.print_result(estimate, args.config)
     return
   if args.job == "derive":  # (after a change to bytes_moved: no estimate runs)
     for path in (args.tables or (BENCH_OUT, BLOCKS_OUT)):
