@@ -218,7 +218,8 @@ def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile") -> TpuCompila
   return TpuCompilation(chip.name, None, out["hlo"], out["vmem_bytes"], out["memory"], time.perf_counter() - t0)
 
 
-def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", **kwargs) -> TpuCompilation:
+def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", profile: bool = True,
+                    **kwargs) -> TpuCompilation:
   """Compiles ``fn(*args, **kwargs)`` for a TPU ``generation`` on any host.
 
   ``args`` may be arrays or :class:`jax.ShapeDtypeStruct` (pytrees allowed); ``kwargs``
@@ -226,11 +227,15 @@ def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", **kwargs) -> T
   ``generation`` and pick that generation's defaults. Compiler failures become a
   :class:`~kernels.errors.CompileError` (a :class:`KernelError`) whose ``kind`` is
   ``"vmem"``, ``"tiling"``, ``"mosaic"`` or ``"xla"``.
+
+  ``profile=False`` compiles in a child process without the cost model's profiling
+  flags (where this process has them): much faster for a large program whose memory
+  or HLO is all that is wanted, but :func:`estimate_tpu` cannot reuse the compilation.
   """
   chip = get_chip(generation)
   f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
-  if (_env.STATIC_PROFILE_DIR is not None and chip.name not in PROFILED_GENERATIONS
-      and os.environ.get("KERNELS_STATIC_PROFILE") != "0"):
+  if (_env.STATIC_PROFILE_DIR is not None and os.environ.get("KERNELS_STATIC_PROFILE") != "0"
+      and (not profile or chip.name not in PROFILED_GENERATIONS)):
     return _compile_elsewhere(f, args, chip)
   device = tpu_device(chip.name)
   abstract = _abstract(args, device)

@@ -27,6 +27,14 @@ def test_compiles_for_every_generation(generation):
   assert comp.memory["argument"] == 2 * 1024 * 1024 * 2
 
 
+def test_compile_without_profile_gives_the_same_program_and_memory():
+  """profile=False compiles in a child process without the cost model's flags: same HLO kernel, same memory."""
+  args = (sds(1024, 1024), sds(1024, 1024))
+  plain = kernels.compile_for_tpu(toy.matmul, *args, generation="v5e", profile=False, bm=256, bk=512, bn=512)
+  full = kernels.compile_for_tpu(toy.matmul, *args, generation="v5e", bm=256, bk=512, bn=512)
+  assert "tpu_custom_call" in plain.hlo and plain.memory == full.memory and plain.vmem_bytes == full.vmem_bytes
+
+
 def test_bad_tiling_is_a_kernel_error():
   with pytest.raises(kernels.CompileError) as info:
     kernels.compile_for_tpu(toy.matmul, sds(1024, 1024), sds(1024, 1024), bm=100)
