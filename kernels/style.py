@@ -34,6 +34,7 @@ _STYLES = {
     "ragged_dot": ("#332288", "p", ("lax ragged dot",)),
     "dense capacity einsum": ("#44AA99", "d", ("capacity einsum", "dense einsum")),
     "tokamax": ("#DDCC77", "*", ("tokamax layer_norm",)),
+    "MaxText": ("#88CCEE", "8", ("maxtext rope",)),
     "roofline": ("#000000", None, ()),
     "HBM floor": ("#777777", None, ("copy", "hbm copy")),
 }
