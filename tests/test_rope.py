@@ -10,6 +10,8 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|; inputs are O(1)):
 * bfloat16: one rounding of the float32 result (2^-8 relative); kernel and reference may
   round a value on a boundary differently: one ulp, 2^-7 relative, and 1e-2 absolute.
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import jax.test_util
@@ -19,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import rope as R
+R = importlib.import_module("kernels.rope")  # the module (kernels.rope is the function)
 from kernels.rope import BlockSizes, RopeScaling, rope, rope_reference, rope_table
 
 TOL = {"float32": dict(atol=2e-6, rtol=2e-6), "bfloat16": dict(atol=1e-2, rtol=2 ** -7)}

@@ -26,6 +26,7 @@ Each estimate runs in a child process (the cost model can abort one). Run it und
 from __future__ import annotations
 
 import argparse
+import importlib
 import datetime
 import json
 import os
@@ -39,7 +40,7 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels import rope as R  # noqa: E402
+R = importlib.import_module("kernels.rope")  # noqa: E402  (the module; kernels.rope is the function)
 from kernels.hardware import get_chip  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
