@@ -48,6 +48,12 @@ rows first (``[batch, seq, head_dim]`` twice in float32: per token, ``8 head_dim
 bytes against the ``4 heads head_dim`` bytes of bf16 ``x`` in and out, so ``2 / heads``
 more traffic). Positions outside the table give NaN, never a silently wrong angle.
 
+*Lane-sparse heads.* With ``head_dim`` below or not a multiple of 128, the layout a Pallas
+call needs for ``[batch, seq, heads, head_dim]`` pads every head to 128 lanes (and few heads
+to a whole sublane tile) in HBM, so the kernel moves up to several times the bytes; XLA's
+own fusion picks a dense layout for the same array. ``implementation=None`` then runs the
+XLA path (``implementation="pallas"`` still runs the kernel).
+
 *Backward.* A rotation is orthogonal: the gradient is the rotation by the opposite
 angle, the same kernel with the sign of ``sin`` flipped (``custom_vjp``).
 """
@@ -69,6 +75,9 @@ from kernels.errors import check
 from kernels.hardware import get_chip
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_LANE_SPARSE = ("head_dim is not a multiple of 128: the [..., heads, head_dim] layout a Pallas call reads "
+                "pads each head to 128 lanes in HBM, while XLA's own fusion picks a dense layout, so XLA moves "
+                "fewer bytes (implementation='pallas' still runs the kernel)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,4 +392,5 @@ def rope(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False
       pallas=lambda x, cos, sin, interpret: _pallas_entry(x, cos, sin, p=p, interleaved=interleaved,
                                                           blocks=blocks, interpret=interpret),
       xla=functools.partial(_rotate_xla, rotary_dim=p.rotary_dim, interleaved=interleaved),
-      implementation=implementation, interpret=interpret)
+      implementation=implementation, interpret=interpret,
+      prefer_xla=None if p.head_dim % 128 == 0 else _LANE_SPARSE)

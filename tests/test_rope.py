@@ -212,3 +212,11 @@ def test_aot_compiles_variants(generation):
   comp = kernels.compile_for_tpu(f, _sds((2, 1024, 8, 64)), _sds((2, 1024, 4, 256), jnp.float32),
                                  _sds((2, 1024), jnp.int32), generation=generation, profile=False)
   assert comp.hlo.count("tpu_custom_call") == 2
+
+
+@pytest.mark.tpu_aot
+def test_default_dispatch_on_tpu_runs_xla_for_lane_sparse_heads():
+  """head_dim 64 pads to 128 lanes in the layout a Pallas call reads: the default runs XLA there."""
+  sparse = kernels.compile_for_tpu(lambda x: rope(x), _sds((2, 256, 8, 64)), generation="v5e", profile=False)
+  dense = kernels.compile_for_tpu(lambda x: rope(x), _sds((2, 256, 8, 128)), generation="v5e", profile=False)
+  assert "tpu_custom_call" not in sparse.hlo and "tpu_custom_call" in dense.hlo
