@@ -52,9 +52,11 @@ passes as a 128-lane one). Per-head ``exp(cs)`` and ``dt`` columns are expanded 
 slab's lanes with a select per head.
 
 *Per-token scalars.* The chunk-local cumulative sums of ``dt * A`` (f32, computed by XLA:
-``O(seq x heads)``, 1/head_dim of ``x``) and ``dt`` reach the kernel twice: as rows
-``[batch, heads, 1, seq]`` (a head's values along lanes: the ``s`` axis of the ``L x L``
-matrix) and as columns ``[batch, seq, heads]`` (one column is picked with a lane select).
+``O(seq x heads)``, 1/head_dim of ``x``) reach the kernel twice: as rows ``[batch, heads, 1,
+seq]`` (a head's values along lanes: the ``s`` axis of the ``L x L`` matrix) and as columns
+``[batch, head blocks, seq, heads_per_step]`` (along sublanes: the ``t`` axis), with ``dt`` as
+columns. A slab expands its heads' columns to their lanes with a select per head; ``dt``
+scales ``x`` before the intra-chunk product.
 
 *Resets.* ``reset`` (``[batch, seq]`` bool, True on each document's first token) becomes
 a chunk-local segment number (a cumulative count of resets within the chunk): the intra
@@ -382,7 +384,7 @@ def _vmem_bytes(p: _Problem, L: int, hb: int) -> int:
   gb = max(1, hb // p.heads_per_group)
   blocks = [((L, lanes), p.dtype)] * 2  # x, y
   blocks += [((gb, L, p.state), p.dtype)] * 2  # B, C
-  blocks += [((hb, 1, L), jnp.float32)] * 2 + [((L, p.heads), jnp.float32)] * 2  # scalar rows and columns
+  blocks += [((hb, 1, L), jnp.float32)] + [((L, hb), jnp.float32)] * 2  # per-token scalar rows and columns
   blocks += [((p.state, lanes), jnp.float32)] * 2  # h0, final state
   if p.has_reset:
     blocks += [((1, L), jnp.float32), ((L, 1), jnp.float32)]
@@ -422,19 +424,13 @@ def _flops(p: _Problem, L: int) -> int:
   return 2 * chunks * (p.groups * L * L * p.state + p.heads * (L * L * p.head_dim + 2 * L * p.state * p.head_dim))
 
 
-def _head_column(cols, hg):
-  """Column ``hg`` (traced) of an [L, heads] block, as [L, 1]."""
-  lane = lax.broadcasted_iota(jnp.int32, cols.shape, 1)
-  return jnp.sum(jnp.where(lane == hg, cols, 0.0), axis=1, keepdims=True)
-
-
 def _forward_kernel(*refs, p: _Problem, plan: _Plan):
   L, hb, k = plan.L, plan.hb, plan.k
   P, N = p.head_dim, p.state
   hpg = p.heads_per_group
   refs = list(refs)
-  x_ref, b_ref, c_ref, csr_ref, scr_ref, csc_ref, scc_ref = refs[:7]
-  i = 7
+  x_ref, b_ref, c_ref, csr_ref, csc_ref, scc_ref = refs[:6]
+  i = 6
   if p.has_reset:
     segr_ref, segc_ref = refs[i:i + 2]
     i += 2
@@ -473,35 +469,34 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan):
     first = segc == 0.0  # (L, 1): no reset in the chunk up to t: the carried state reaches t
     in_last = segc == segc[L - 1:L, :]  # (L, 1): t is in the chunk's last segment
     keep_carry = segc[L - 1:L, :] == 0.0  # (1, 1)
-  csc_all, scc_all = csc_ref[...], scc_ref[...]
-
   sw = k * P
   for j in range(hb // k):
     lanes = slice(j * sw, (j + 1) * sw)
     xs = clean(x_ref[:, lanes])
     st = state_ref[:, lanes]
     lane_head = lax.div(lax.broadcasted_iota(jnp.int32, (1, sw), 1), jnp.int32(P))  # (lax.div: no sign op)
-    y = jnp.zeros((L, sw), jnp.float32)
-    into = jnp.zeros((L, sw), jnp.float32)  # exp(cs_t) per lane's head
-    w = jnp.zeros((L, sw), jnp.float32)  # exp(cs_end - cs_s) * scale_s
-    end = jnp.zeros((1, sw), jnp.float32)  # exp(cs_end)
+    # the per-token scalars of the slab's heads, expanded to their lanes: cs_t and scale_t
+    cs_lane = jnp.broadcast_to(csc_ref[:, j * k:j * k + 1], (L, sw))
+    sc_lane = jnp.broadcast_to(scc_ref[:, j * k:j * k + 1], (L, sw))
+    for i in range(1, k):
+      sel = lane_head == i
+      cs_lane = jnp.where(sel, csc_ref[:, j * k + i:j * k + i + 1], cs_lane)
+      sc_lane = jnp.where(sel, scc_ref[:, j * k + i:j * k + i + 1], sc_lane)
+    xdt = (xs.astype(jnp.float32) * sc_lane).astype(mm_dtype)  # scale_s x_s
+    y = None
     groups = {}
     for i in range(k):
       hl = j * k + i
-      hg = hblk * hb + hl
       g = hl // hpg if hb > hpg else 0
       groups.setdefault(g, []).append(i)
-      csr, scr = csr_ref[hl], scr_ref[hl]  # (1, L)
-      csc, scc = _head_column(csc_all, hg), _head_column(scc_all, hg)  # (L, 1)
-      decay = jnp.exp(jnp.where(mask, csc - csr, -jnp.inf))
-      s_mat = (cb_ref[g] * decay * scr).astype(mm_dtype)
-      yi = jnp.dot(s_mat, xs, preferred_element_type=jnp.float32, precision=prec)
-      sel = lane_head == i
-      y = jnp.where(sel, yi, y)
-      cs_end = csr[:, L - 1:L]  # (1, 1)
-      into = jnp.where(sel, jnp.exp(csc), into)
-      w = jnp.where(sel, jnp.exp(cs_end - csc) * scc, w)
-      end = jnp.where(sel, jnp.exp(cs_end), end)
+      # the intra-chunk matrix of head hl: (C B^T)[t, s] exp(cs_t - cs_s), s <= t (same segment)
+      decay = jnp.exp(jnp.where(mask, csc_ref[:, hl:hl + 1] - csr_ref[hl], -jnp.inf))
+      yi = jnp.dot((cb_ref[g] * decay).astype(mm_dtype), xdt, preferred_element_type=jnp.float32, precision=prec)
+      y = yi if y is None else jnp.where(lane_head == i, yi, y)
+    end_cs = cs_lane[L - 1:L, :]  # (1, sw): cs at the chunk's last token
+    into = jnp.exp(cs_lane)  # the carried state's decay to token t
+    w = jnp.exp(end_cs - cs_lane) * sc_lane  # token s's weight in the chunk's state update
+    end = jnp.exp(end_cs)  # the carried state's decay over the chunk
     if p.has_reset:
       into = jnp.where(first, into, 0.0)
       w = jnp.where(in_last, w, 0.0)
@@ -542,6 +537,7 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
   cs = jnp.cumsum(a.reshape(p.batch, nc, L, H), axis=2).reshape(p.batch, Tp, H)
   sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
   rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
+  cols = lambda v: jnp.swapaxes(v.reshape(p.batch, Tp, H // hb, hb), 1, 2)  # noqa: E731  [b, head blocks, t, hb]
   xf = x.reshape(p.batch, p.seq, H * P)
   bt = jnp.swapaxes(B, 1, 2) if G > 1 else B.reshape(p.batch, 1, p.seq, N)
   ct = jnp.swapaxes(C, 1, 2) if G > 1 else C.reshape(p.batch, 1, p.seq, N)
@@ -554,11 +550,10 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
       pl.BlockSpec((None, gb, L, N), lambda b, h, c: (b, gmap(h), c, 0)),
       pl.BlockSpec((None, gb, L, N), lambda b, h, c: (b, gmap(h), c, 0)),
       pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
-      pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
-      pl.BlockSpec((None, L, H), lambda b, h, c: (b, c, 0)),
-      pl.BlockSpec((None, L, H), lambda b, h, c: (b, c, 0)),
+      pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
+      pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
   ]
-  args = [xf, bt, ct, rows(cs), rows(sc), cs, sc]
+  args = [xf, bt, ct, rows(cs), cols(cs), cols(sc)]
   if p.has_reset:
     r = jnp.pad(reset, ((0, 0), (0, pad))).reshape(p.batch, nc, L).astype(jnp.int32)
     seg = jnp.cumsum(r, axis=2).astype(f32).reshape(p.batch, Tp)

@@ -13,6 +13,8 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|, with ATOL relative to 
 * gradients: the backward is the VJP of the plain-JAX chunked SSD; against the reference's VJP in f32,
   1e-4 of the largest entry (sums over seq x state terms).
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import jax.test_util
@@ -22,10 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import ssd as S
 from kernels.ssd import BlockSizes, gated_linear_attention, gated_linear_attention_reference, ssd, ssd_chunked_xla, \
     ssd_reference
 
+S = importlib.import_module("kernels.ssd")  # (the module: `kernels.ssd` is the function)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -187,7 +189,7 @@ def _vjp(fn, args, kw, cts):
 
 @pytest.mark.parametrize("reset", [False, True])
 def test_gradients_match_reference_vjp(reset):
-  args, kw = inputs(t=200, g=2, reset=reset)
+  args, kw = inputs(t=140, g=2, reset=reset)
   cts = (rand(args[0].shape, 11), rand((1, 4, 64, 32), 12))
   got = _vjp(call, args, kw, cts)
   want = _vjp(ssd_reference, args, kw, cts)
@@ -209,13 +211,13 @@ def test_bf16_gradients_have_input_dtypes():
 def test_check_grads_float64():
   # the reference and the chunked SSD (the backward's algorithm), numerically, in float64
   with jax.enable_x64(True):
-    args, kw = inputs(t=10, h=2, p=3, g=1, n=2, reset=True)
+    args, kw = inputs(t=6, h=2, p=2, g=1, n=2, reset=True)
     a64 = [jnp.asarray(f64(v)) for v in args]
     D, h0 = jnp.asarray(f64(kw["D"])), jnp.asarray(f64(kw["h0"]))
-    for fn in (ssd_reference, lambda *a, **k: ssd_chunked_xla(*a, chunk_size=4, **k)):
+    for fn, modes in ((ssd_reference, ["fwd", "rev"]), (lambda *a, **k: ssd_chunked_xla(*a, chunk_size=4, **k), ["rev"])):
       f = lambda x, dt, A, B, C, D, h0: fn(x, dt, A, B, C, D=D, h0=h0, reset=kw["reset"],  # noqa: E731
                                            return_final_state=True)
-      jax.test_util.check_grads(f, (*a64, D, h0), order=1, modes=["fwd", "rev"])
+      jax.test_util.check_grads(f, (*a64, D, h0), order=1, modes=modes)
 
 
 def test_jit_grad_vmap_compose():
