@@ -69,9 +69,11 @@ the end (stale VMEM, maybe NaN) are replaced by zeros before any product, and th
 per-token scalars are padded with zeros by XLA.
 
 *Chunk size and heads per step* (``kernels/data/ssd_blocks.json``, ``tools/tune_ssd.py``):
-the chunk matches the MXU width (128 on v4/v5e/v5p, 256 on v6e) unless tuning found
-better; ``heads_per_step`` is tuned so that a grid step carries enough work to hide its
-overhead.
+without a table entry the chunk is the MXU width (128 on v4/v5e/v5p, 256 on v6e). The
+tuning (compiler estimates) found 128 faster on v6e too: the ``L x L`` decay matrices
+are vector work that grows with ``L`` per token, while a 128-lane slab of heads keeps the
+MXU equally busy at either chunk. ``heads_per_step`` is tuned so that a grid step
+carries enough work to hide its overhead.
 
 *Backward* (``custom_vjp``). The gradients are the VJP of :func:`ssd_chunked_xla`, the
 chunked algorithm in XLA (chunked like the forward: intra-chunk matrices, per-chunk
@@ -651,7 +653,7 @@ def ssd(x, dt, A, B, C, *, D=None, chunk_size=None, h0=None, reset=None, return_
       and head ``h`` reads group ``h // (heads // groups)``.
     D: None or ``[heads]``, the skip connection.
     chunk_size: tokens per chunk: a multiple of 128 or at least ``seq``; None for the
-      per-generation default (the MXU width: 128 on v4/v5e/v5p, 256 on v6e).
+      per-generation default (:func:`default_block_sizes`).
     h0: None or the state before the first token, ``[batch, heads, head_dim, state]``.
     reset: None or ``[batch, seq]`` bool: True on a document's first token drops the
       state coming into it (packed documents), as in :func:`kernels.linear_scan`.
