@@ -187,7 +187,7 @@ def bench(args):
    for gen in args.generations:
     for impl, chunks in (("ours", (None,)), ("chunked_xla", CHUNKS)):
       for L in chunks:
-        for mode in ("fwd", "fwdbwd"):
+        for mode in args.modes:
           key = f"{gen}/{impl}{'' if L is None else f'@{L}'}/{mode}/{seq}"
           if key in results and "us" in results[key] and not args.force:
             continue
@@ -212,6 +212,7 @@ def main(argv=None):
   ap.add_argument("--seq", type=int, default=1024, help="(tune) tokens estimated (times scaled to SHAPE's seq)")
   ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096],
                   help="(bench) the slices estimated, each scaled to SHAPE's seq")
+  ap.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"])
   ap.add_argument("--force", action="store_true")
   args = ap.parse_args(argv)
   if args.job == "one":
