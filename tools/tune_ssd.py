@@ -178,9 +178,9 @@ def bench(args):
       "tokens and scaled by `scale` to the full sequence (both programs' work is the same for every chunk). us is "
       "the floored estimate: the model's time (model_us), never less than the program's counted HBM bytes at the "
       "published bandwidth (floor_us). roofline: hbm_us (compulsory bytes at the published bandwidth) and mxu_us "
-      "(the chunked algorithm's useful matmul FLOPs at the bf16 peak; forward + backward counted as 3x the "
-      "forward). Ours' backward is the chunked XLA algorithm's VJP.")
-  table["roofline"] = {f"{gen}/{mode}": roofline(gen, mode, 256 if gen == "v6e" else 128)
+      "(the chunked algorithm's useful matmul FLOPs, at the generation's default chunk, at the bf16 peak; forward + "
+      "backward counted as 3x the forward). Ours' backward is the chunked XLA algorithm's VJP.")
+  table["roofline"] = {f"{gen}/{mode}": roofline(gen, mode, ssd.default_block_sizes(gen).chunk_size)
                        for gen in GENERATIONS for mode in ("fwd", "fwdbwd")}
   results = table.setdefault("results", {})
   for seq in args.seqs:
