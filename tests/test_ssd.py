@@ -145,7 +145,7 @@ def test_head_dim_multiple_of_128_and_long_decay():
   assert_close(y, ssd_reference(x, dt, A * 3.0, B, C, **kw))
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(b=st.integers(1, 2), t=st.integers(1, 200), h=st.sampled_from([2, 4]), p=st.sampled_from([32, 64]),
        g=st.sampled_from([1, 2]), n=st.sampled_from([8, 24]), bf16=st.booleans(), reset=st.booleans())
 def test_hypothesis_shapes(b, t, h, p, g, n, bf16, reset):
@@ -187,9 +187,9 @@ def _vjp(fn, args, kw, cts):
   return jax.vjp(f, x, dt, A, B, C, kw["D"], kw["h0"])[1](cts)
 
 
-@pytest.mark.parametrize("reset", [False, True])
-def test_gradients_match_reference_vjp(reset):
-  args, kw = inputs(t=140, g=2, reset=reset)
+def test_gradients_match_reference_vjp():
+  # (with resets and two groups; without resets: test_bf16_gradients_have_input_dtypes, test_jit_grad_vmap_compose)
+  args, kw = inputs(t=140, g=2, reset=True)
   cts = (rand(args[0].shape, 11), rand((1, 4, 64, 32), 12))
   got = _vjp(call, args, kw, cts)
   want = _vjp(ssd_reference, args, kw, cts)
@@ -214,7 +214,7 @@ def test_check_grads_float64():
     args, kw = inputs(t=6, h=2, p=2, g=1, n=2, reset=True)
     a64 = [jnp.asarray(f64(v)) for v in args]
     D, h0 = jnp.asarray(f64(kw["D"])), jnp.asarray(f64(kw["h0"]))
-    for fn, modes in ((ssd_reference, ["fwd", "rev"]), (lambda *a, **k: ssd_chunked_xla(*a, chunk_size=4, **k), ["rev"])):
+    for fn, modes in ((ssd_reference, ["rev"]), (lambda *a, **k: ssd_chunked_xla(*a, chunk_size=4, **k), ["rev"])):
       f = lambda x, dt, A, B, C, D, h0: fn(x, dt, A, B, C, D=D, h0=h0, reset=kw["reset"],  # noqa: E731
                                            return_final_state=True)
       jax.test_util.check_grads(f, (*a64, D, h0), order=1, modes=modes)
