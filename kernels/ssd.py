@@ -88,6 +88,13 @@ per-token log-decay ``g_t`` in place of ``dt_t * A`` and an input scale of 1 in 
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the Pallas
 kernel when lowered for TPU and :func:`ssd_chunked_xla` elsewhere; float64 runs only on
 the XLA paths.
+
+*Estimates.* ``tools/tune_ssd.py bench`` stores compiler estimates (libtpu's cost model,
+floored at the HBM bandwidth; not measurements) of the kernel and of
+:func:`ssd_chunked_xla` at Mamba-2's shape (seq 8192, 32 heads x 64, state 128, bf16) in
+``kernels/data/ssd_bench.json``. The cost model finds the kernel bound by its vector
+work (the per-head ``L x L`` decay matrices), well above both the HBM and the MXU sides
+of the roofline.
 """
 from __future__ import annotations
 
