@@ -100,7 +100,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +109,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, TilingError, check
+from kernels.errors import TilingError, check
 from kernels.hardware import get_chip
 
 __all__ = ["BlockSizes", "default_block_sizes", "gated_linear_attention", "gated_linear_attention_reference",
