@@ -13,6 +13,8 @@ from kernels.attention import BlockSizes as AttentionBlockSizes, attention_refer
 from kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.scan import BlockSizes as ScanBlockSizes, linear_scan, linear_scan_reference
 from kernels.rope import BlockSizes as RopeBlockSizes, RopeScaling, rope, rope_reference, rope_table
+from kernels.ssd import (BlockSizes as SsdBlockSizes, gated_linear_attention, gated_linear_attention_reference,
+                         ssd, ssd_chunked_xla, ssd_reference)
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
@@ -26,6 +28,8 @@ __all__ = [
     "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
     "ScanBlockSizes", "linear_scan", "linear_scan_reference",
     "RopeBlockSizes", "RopeScaling", "rope", "rope_reference", "rope_table",
+    "SsdBlockSizes", "gated_linear_attention", "gated_linear_attention_reference", "ssd", "ssd_chunked_xla",
+    "ssd_reference",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",

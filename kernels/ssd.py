@@ -1,0 +1,727 @@
+"""Mamba-2's chunked state-space duality (SSD), and gated linear attention, in Pallas.
+
+``ssd(x, dt, A, B, C)`` runs the selective state-space recurrence of Mamba-2 over
+``[batch, seq, heads, head_dim]`` inputs, per head ``h``::
+
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * (x_t ⊗ B_t)      # state [head_dim, state], f32
+    y_t = h_t · C_t + D * x_t
+
+with ``B``, ``C`` shared by the heads of a group (``groups`` divides ``heads``, as keys
+and values are shared in GQA). :func:`ssd_reference` is the recurrence itself, a
+``lax.scan`` over time (the oracle); :func:`ssd_chunked_xla` is the chunked algorithm in
+plain JAX (the ``ssd_minimal`` form of the Mamba-2 paper), the XLA peer.
+:func:`gated_linear_attention` is the same kernel with queries, keys and values.
+
+The chunked form
+----------------
+
+Cut the sequence into chunks of ``L`` tokens. Within a chunk write the decay as
+cumulative sums of ``a_t = dt_t * A`` (f32): ``cs_t = a_0 + ... + a_t``. Then the decay
+from token ``s`` to token ``t >= s`` is ``exp(cs_t - cs_s)``, a *difference* of sums,
+never a product of many small factors, and every exponent is <= 0 when ``A < 0``. With
+``h`` the state entering the chunk::
+
+    y_t   = sum_{s<=t} (C_t · B_s) exp(cs_t - cs_s) dt_s x_s   (intra-chunk: an L x L matrix times x)
+          + exp(cs_t) C_t · h                                (the state carried in)
+    h_new = exp(cs_{L-1}) h + sum_s exp(cs_{L-1} - cs_s) dt_s x_s ⊗ B_s   (the chunk's state update)
+
+Three matmuls per head and chunk, all on the MXU (bf16 operands for bf16 inputs, f32
+accumulation): the masked ``(C B^T ∘ decay) x``, ``C h`` and ``B^T (w x)``. ``C B^T`` is
+shared by the heads of a group and computed once per chunk. The exponentials, masks and
+scalings are VPU/EUP work on ``L x L`` tiles.
+
+How the kernel works
+--------------------
+
+*Layout.* ``x`` and ``y`` stay ``[batch, seq, heads * head_dim]`` in HBM (a free
+reshape): no transpose of the big arrays. The grid is ``(batch, head blocks, chunks)``,
+semantics parallel, parallel, arbitrary; a step takes ``L`` tokens of ``heads_per_step``
+heads. ``B`` and ``C`` are read as ``[batch, groups, seq, state]`` (a free reshape when
+``groups == 1``, an XLA transpose otherwise) and their block index follows the head
+block (``group = head // (heads / groups)``), as GQA kernels do.
+
+*State.* The state of the block's heads lives in a VMEM scratch ``[state, heads_per_step
+* head_dim]`` f32 (transposed: one column per (head, channel)), set from ``h0`` at the first
+chunk and written out after the last. Nothing but ``y`` and the final state reaches HBM.
+
+*Heads in lanes.* Heads are processed a *slab* of 128 lanes at a time (two heads of 64):
+``C h`` and ``B^T (w x)`` are one matmul each for the whole slab, exact. The intra-chunk
+matrix differs per head: each head's ``S @ x_slab`` is computed over the slab's 128
+lanes and its own lanes kept (the MXU is 128 wide, so a 64-lane product costs the same
+passes as a 128-lane one). Per-head ``exp(cs)`` and ``dt`` columns are expanded to the
+slab's lanes with a select per head.
+
+*Per-token scalars.* The chunk-local cumulative sums of ``dt * A`` (f32, computed by XLA:
+``O(seq x heads)``, 1/head_dim of ``x``) reach the kernel twice: as rows ``[batch, heads, 1,
+seq]`` (a head's values along lanes: the ``s`` axis of the ``L x L`` matrix) and as columns
+``[batch, head blocks, seq, heads_per_step]`` (along sublanes: the ``t`` axis), with ``dt`` as
+columns. A slab expands its heads' columns to their lanes with a select per head; ``dt``
+scales ``x`` before the intra-chunk product.
+
+*Resets.* ``reset`` (``[batch, seq]`` bool, True on each document's first token) becomes
+a chunk-local segment number (a cumulative count of resets within the chunk): the intra
+matrix keeps ``(t, s)`` only within a segment, the carried state reaches only the tokens
+before the chunk's first reset, and only the last segment's tokens (and the carried
+state, if the chunk has no reset) enter the next state.
+
+*Ragged sequences.* The last chunk may be partial: the rows of ``x``, ``B`` and ``C`` past
+the end (stale VMEM, maybe NaN) are replaced by zeros before any product, and the
+per-token scalars are padded with zeros by XLA.
+
+*Chunk size and heads per step* (``kernels/data/ssd_blocks.json``, ``tools/tune_ssd.py``):
+without a table entry the chunk is the MXU width (128 on v4/v5e/v5p, 256 on v6e). The
+tuning (compiler estimates) found 128 faster on v6e too: the ``L x L`` decay matrices
+are vector work that grows with ``L`` per token, while a 128-lane slab of heads keeps the
+MXU equally busy at either chunk. ``heads_per_step`` is tuned so that a grid step
+carries enough work to hide its overhead.
+
+*Backward* (``custom_vjp``). The gradients are the VJP of :func:`ssd_chunked_xla`, the
+chunked algorithm in XLA (chunked like the forward: intra-chunk matrices, per-chunk
+states, a scan over chunks), recomputed from the inputs: there is no Pallas backward
+kernel yet.
+
+*Gated linear attention* (:func:`gated_linear_attention`): ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
+``o_t = q_t · S_t`` is the same recurrence with ``x = v``, ``B = k``, ``C = q``, the
+per-token log-decay ``g_t`` in place of ``dt_t * A`` and an input scale of 1 in place of
+``dt_t``; the kernel takes the log-decay and the input scale separately.
+
+*Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the Pallas
+kernel when lowered for TPU and :func:`ssd_chunked_xla` elsewhere; float64 runs only on
+the XLA paths.
+
+*Estimates.* ``tools/tune_ssd.py bench`` stores compiler estimates (libtpu's cost model,
+floored at the HBM bandwidth; not measurements) of the kernel and of
+:func:`ssd_chunked_xla` at Mamba-2's shape (seq 8192, 32 heads x 64, state 128, bf16) in
+``kernels/data/ssd_bench.json``. The cost model finds the kernel bound by its vector
+work (the per-head ``L x L`` decay matrices), well above both the HBM and the MXU sides
+of the roofline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import tiling
+from kernels.backend import dispatch, target_chip
+from kernels.errors import TilingError, check
+from kernels.hardware import get_chip
+
+__all__ = ["BlockSizes", "default_block_sizes", "gated_linear_attention", "gated_linear_attention_reference",
+           "ssd", "ssd_chunked_xla", "ssd_reference"]
+
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+FLOAT_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64), jnp.dtype(jnp.float16))
+
+
+# ---------------------------------------------------------------------------------
+# Block sizes
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tokens per chunk and heads per grid step.
+
+  ``chunk_size`` must be a multiple of 128 unless it covers the sequence;
+  ``heads_per_step`` must divide ``heads``, be a multiple or a divisor of the heads per
+  group, and span a multiple of 128 lanes (``heads_per_step * head_dim``) unless it is
+  all the heads. ``None`` picks the per-generation default.
+  """
+
+  chunk_size: int | None = None
+  heads_per_step: int | None = None
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _mxu_chunk(gen: str) -> int:
+  return 256 if gen == "v6e" else 128
+
+
+def default_block_sizes(generation=None) -> BlockSizes:
+  """The shipped defaults for ``generation`` (None: v5e): ``kernels/data/ssd_blocks.json``, or
+  a chunk as wide as the MXU (128; 256 on v6e) and up to 16 heads per step without an entry."""
+  gen = get_chip(generation).name if generation is not None else "v5e"
+  entry = tiling.block_table("ssd").get(gen, {})
+  return BlockSizes(entry.get("chunk_size", _mxu_chunk(gen)), entry.get("heads_per_step", 16))
+
+
+# ---------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+  batch: int
+  seq: int
+  heads: int
+  head_dim: int
+  groups: int
+  state: int
+  dtype: jnp.dtype  # of x, B, C
+  has_d: bool
+  has_reset: bool
+
+  @property
+  def heads_per_group(self) -> int:
+    return self.heads // self.groups
+
+
+def _is_array(v) -> bool:
+  return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _float(name, v):
+  check(_is_array(v), name, v, "must be an array")
+  d = jnp.dtype(v.dtype)
+  check(jnp.issubdtype(d, jnp.floating), name, v, f"must be floating point (float32, bfloat16 or float64), not {d.name}")
+
+
+def _validate(x, dt, A, B, C, D, h0, reset, return_final_state, names=("x", "dt", "A", "B", "C")) -> _Problem:
+  nx, ndt, nA, nB, nC = names
+  for name, v in ((nx, x), (ndt, dt), (nB, B), (nC, C)):
+    _float(name, v)
+  check(x.ndim == 4 and x.size > 0, nx, x, "must be [batch, seq, heads, head_dim] with at least one element")
+  batch, seq, heads, head_dim = x.shape
+  check(tuple(dt.shape) == (batch, seq, heads), ndt, dt, f"must have shape {(batch, seq, heads)} ([batch, seq, heads])")
+  if A is not None:
+    _float(nA, A)
+    check(tuple(A.shape) == (heads,), nA, A, f"must have shape {(heads,)} ([heads])")
+  check(B.ndim == 4 and tuple(B.shape[:2]) == (batch, seq), nB, B,
+        f"must be [batch, seq, groups, state] with batch, seq = {(batch, seq)}")
+  groups, state = B.shape[2:]
+  check(groups > 0 and state > 0, nB, B, "groups and state must be positive")
+  check(heads % groups == 0, nB, B, f"groups ({groups}) must divide heads ({heads})")
+  check(tuple(C.shape) == tuple(B.shape), nC, C, f"must have {nB}'s shape {tuple(B.shape)}")
+  check(jnp.dtype(B.dtype) == jnp.dtype(x.dtype), nB, B, f"must have {nx}'s dtype {jnp.dtype(x.dtype).name}")
+  check(jnp.dtype(C.dtype) == jnp.dtype(x.dtype), nC, C, f"must have {nx}'s dtype {jnp.dtype(x.dtype).name}")
+  if D is not None:
+    _float("D", D)
+    check(tuple(D.shape) == (heads,), "D", D, f"must have shape {(heads,)} ([heads])")
+  if h0 is not None:
+    _float("h0", h0)
+    check(tuple(h0.shape) == (batch, heads, head_dim, state), "h0", h0,
+          f"must have shape {(batch, heads, head_dim, state)} ([batch, heads, head_dim, state])")
+  if reset is not None:
+    check(_is_array(reset), "reset", reset, "must be a boolean array or None")
+    check(jnp.dtype(reset.dtype) == jnp.bool_, "reset", reset, f"must be boolean, not {jnp.dtype(reset.dtype).name}")
+    check(tuple(reset.shape) == (batch, seq), "reset", reset, f"must have shape {(batch, seq)} ([batch, seq])")
+  check(isinstance(return_final_state, bool), "return_final_state", return_final_state, "must be True or False")
+  return _Problem(batch, seq, heads, head_dim, groups, state, jnp.dtype(x.dtype), D is not None, reset is not None)
+
+
+def _check_blocks(chunk_size, block_sizes) -> BlockSizes:
+  if block_sizes is None:
+    block_sizes = BlockSizes()
+  if isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2:
+    block_sizes = BlockSizes(*block_sizes)
+  check(isinstance(block_sizes, BlockSizes), "block_sizes", block_sizes,
+        "must be None, a BlockSizes or a (chunk_size, heads_per_step) tuple")
+  if chunk_size is not None:
+    check(block_sizes.chunk_size is None, "chunk_size", chunk_size, "give chunk_size or block_sizes.chunk_size, not both")
+    block_sizes = dataclasses.replace(block_sizes, chunk_size=chunk_size)
+  for name in ("chunk_size", "heads_per_step"):
+    v = getattr(block_sizes, name)
+    check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+          "chunk_size" if name == "chunk_size" else "block_sizes", v, f"{name} must be a positive int or None")
+  return block_sizes
+
+
+# ---------------------------------------------------------------------------------
+# The reference (pure JAX, sequential) and the plain-JAX chunked SSD
+# ---------------------------------------------------------------------------------
+
+
+def _state_dtype(dtype):
+  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _reference_core(x, scale, logdecay, B, C, D, h0, reset):
+  """Sequential recurrence over time: h = exp(logdecay) h (dropped at resets) + scale x ⊗ B."""
+  batch, seq, heads, p = x.shape
+  groups, n = B.shape[2:]
+  f = _state_dtype(x.dtype)
+  rep = heads // groups
+  h = jnp.zeros((batch, heads, p, n), f) if h0 is None else h0.astype(f)
+  keep = jnp.ones((batch, seq), f) if reset is None else (~reset).astype(f)
+
+  def step(h, inp):
+    xt, st, at, bt, ct, kt = inp  # [b,h,p], [b,h], [b,h], [b,g,n], [b,g,n], [b]
+    bt, ct = jnp.repeat(bt, rep, axis=1), jnp.repeat(ct, rep, axis=1)
+    h = (jnp.exp(at) * kt[:, None])[..., None, None] * h + (st[..., None] * xt)[..., None] * bt[:, :, None, :]
+    y = jnp.einsum("bhpn,bhn->bhp", h, ct, precision=lax.Precision.HIGHEST)
+    return h, y
+
+  inputs = (x.astype(f), scale.astype(f), logdecay.astype(f), B.astype(f), C.astype(f), keep)
+  h, y = lax.scan(step, h, tuple(jnp.moveaxis(v, 1, 0) for v in inputs))
+  y = jnp.moveaxis(y, 0, 1)
+  if D is not None:
+    y = y + D.astype(f)[:, None] * x.astype(f)
+  return y.astype(x.dtype), h
+
+
+def ssd_reference(x, dt, A, B, C, *, D=None, h0=None, reset=None, return_final_state=False):
+  """The recurrence of :func:`ssd`, one token at a time (``lax.scan``), state in f32 (f64 for f64 ``x``).
+
+  Returns ``y`` (``x``'s dtype) and, with ``return_final_state``, the final state
+  ``[batch, heads, head_dim, state]``.
+  """
+  _validate(x, dt, A, B, C, D, h0, reset, return_final_state)
+  f = _state_dtype(x.dtype)
+  y, h = _reference_core(x, dt, dt.astype(f) * A.astype(f), B, C, D, h0, reset)
+  return (y, h) if return_final_state else y
+
+
+def _segsum_mask(seg):
+  """[..., L] chunk-local segment numbers -> [..., L(t), L(s)] True where s <= t in the same segment."""
+  L = seg.shape[-1]
+  causal = jnp.tril(jnp.ones((L, L), bool))
+  return causal & (seg[..., :, None] == seg[..., None, :])
+
+
+def _chunked_core(x, scale, logdecay, B, C, D, h0, reset, chunk: int):
+  """The chunked SSD in plain JAX (see the module docstring), all chunks at once, then a scan over chunks."""
+  batch, seq, heads, p = x.shape
+  groups, n = B.shape[2:]
+  f = _state_dtype(x.dtype)
+  rep = heads // groups
+  L = min(chunk, seq)
+  nc = -(-seq // L)
+  pad = nc * L - seq
+  padt = lambda v: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2)) if pad else v  # noqa: E731
+  xc = padt(x).reshape(batch, nc, L, heads, p)
+  Bc = padt(B).reshape(batch, nc, L, groups, n)
+  Cc = padt(C).reshape(batch, nc, L, groups, n)
+  sc = padt(scale.astype(f)).reshape(batch, nc, L, heads)
+  cs = jnp.cumsum(padt(logdecay.astype(f)).reshape(batch, nc, L, heads), axis=2)  # [b,c,l,h]
+  if reset is None:
+    seg = jnp.zeros((batch, nc, L), jnp.int32)
+  else:
+    seg = jnp.cumsum(padt(reset).reshape(batch, nc, L).astype(jnp.int32), axis=2)
+  mask = _segsum_mask(seg)[:, :, None]  # [b,c,1,l,s]
+  cst = jnp.moveaxis(cs, 3, 2)  # [b,c,h,l]
+  diff = jnp.where(mask, cst[..., :, None] - cst[..., None, :], -jnp.inf)
+  decay = jnp.exp(diff)  # [b,c,h,l,s]
+  prec = lax.Precision.HIGHEST if x.dtype != jnp.bfloat16 else None
+  cb = jnp.einsum("bclgn,bcsgn->bcgls", Cc, Bc, preferred_element_type=f, precision=prec)
+  cb = jnp.repeat(cb, rep, axis=2)  # [b,c,h,l,s]
+  m = (cb * decay * jnp.moveaxis(sc, 3, 2)[..., None, :]).astype(x.dtype)
+  y = jnp.einsum("bchls,bcshp->bclhp", m, xc, preferred_element_type=f, precision=prec)
+  # the chunk's own state: sum_s exp(cs_end - cs_s) scale_s x_s ⊗ B_s (only the last segment)
+  last = seg[..., -1:]
+  w = jnp.exp(cs[:, :, -1:, :] - cs) * sc * (seg == last)[..., None]  # [b,c,l,h]
+  xw = (xc * w[..., None]).astype(x.dtype).reshape(batch, nc, L, groups, rep, p)
+  states = jnp.einsum("bclgn,bclgrp->bcgrpn", Bc, xw, preferred_element_type=f,
+                      precision=prec).reshape(batch, nc, heads, p, n)
+  carry = jnp.exp(cs[:, :, -1, :]) * (last[..., 0] == 0)[..., None]  # [b,c,h]: the state's decay over a chunk
+  hinit = jnp.zeros((batch, heads, p, n), f) if h0 is None else h0.astype(f)
+
+  def step(h, inp):
+    st, a = inp
+    return a[..., None, None] * h + st, h  # (state after the chunk, state entering it)
+
+  hlast, hprev = lax.scan(step, hinit, (jnp.moveaxis(states, 1, 0), jnp.moveaxis(carry, 1, 0)))
+  hprev = jnp.moveaxis(hprev, 0, 1)  # [b,c,h,p,n]
+  into = jnp.exp(cs) * (seg == 0)[..., None]  # [b,c,l,h]: the carried state's decay to each token
+  Ch = jnp.einsum("bclgn,bcgrpn->bclgrp", Cc, hprev.astype(x.dtype).reshape(batch, nc, groups, rep, p, n),
+                  preferred_element_type=f, precision=prec).reshape(batch, nc, L, heads, p)
+  y = y + Ch * into[..., None]
+  y = y.reshape(batch, nc * L, heads, p)[:, :seq]
+  if D is not None:
+    y = y + D.astype(f)[:, None] * x.astype(f)
+  return y.astype(x.dtype), hlast
+
+
+def ssd_chunked_xla(x, dt, A, B, C, *, D=None, chunk_size=128, h0=None, reset=None, return_final_state=False):
+  """:func:`ssd` as the chunked algorithm in plain JAX (the Mamba-2 paper's ``ssd_minimal``,
+  with resets, ``h0`` and a ``lax.scan`` over the chunk states): the XLA peer of the kernel.
+
+  Its matmuls take ``x``'s dtype (bf16 in, f32 accumulation); intermediate arrays are
+  ``[batch, chunks, heads, chunk, chunk]`` (``seq x heads x chunk`` elements).
+  """
+  p = _validate(x, dt, A, B, C, D, h0, reset, return_final_state)
+  check(isinstance(chunk_size, int) and chunk_size > 0, "chunk_size", chunk_size, "must be a positive int")
+  f = _state_dtype(p.dtype)
+  y, h = _chunked_core(x, dt, dt.astype(f) * A.astype(f), B, C, D, h0, reset, chunk_size)
+  return (y, h) if return_final_state else y
+
+
+# ---------------------------------------------------------------------------------
+# The Pallas kernel
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  L: int  # tokens per chunk
+  hb: int  # heads per grid step
+  k: int  # heads per slab
+  n_chunks: int
+
+  def grid(self, p: _Problem):
+    return (p.batch, p.heads // self.hb, self.n_chunks)
+
+
+def _slab_heads(p: _Problem, hb: int) -> int:
+  """Heads per slab: 128 lanes of heads when head_dim divides 128, one head when head_dim is a
+  multiple of 128, else the whole block (one slab, lanes selected per head)."""
+  P = p.head_dim
+  if P % tiling.LANES == 0:
+    return 1
+  if tiling.LANES % P == 0 and (hb * P) % tiling.LANES == 0:
+    return tiling.LANES // P
+  return hb
+
+
+def _valid_hb(p: _Problem, hb: int) -> bool:
+  hpg = p.heads_per_group
+  return (p.heads % hb == 0 and (hpg % hb == 0 or hb % hpg == 0)
+          and ((hb * p.head_dim) % tiling.LANES == 0 or hb == p.heads))
+
+
+def _vmem_bytes(p: _Problem, L: int, hb: int) -> int:
+  lanes = hb * p.head_dim
+  gb = max(1, hb // p.heads_per_group)
+  blocks = [((L, lanes), p.dtype)] * 2  # x, y
+  blocks += [((gb, L, p.state), p.dtype)] * 2  # B, C
+  blocks += [((hb, 1, L), jnp.float32)] + [((L, hb), jnp.float32)] * 2  # per-token scalar rows and columns
+  blocks += [((p.state, lanes), jnp.float32)] * 2  # h0, final state
+  if p.has_reset:
+    blocks += [((1, L), jnp.float32), ((L, 1), jnp.float32)]
+  scratch = [((p.state, lanes), jnp.float32), ((gb, L, L), jnp.float32)]
+  # live values of a slab: a few L x L f32 matrices and L x 128 products
+  scratch += [((L, L), jnp.float32)] * 4 + [((L, tiling.LANES), jnp.float32)] * 6
+  return tiling.vmem_footprint(blocks, scratch=scratch)
+
+
+def _plan(p: _Problem, blocks: BlockSizes) -> _Plan:
+  chip = target_chip()
+  d = default_block_sizes(chip.name if chip else None)
+  L = blocks.chunk_size or d.chunk_size
+  rows = tiling.sublane_multiple(p.dtype)
+  if L >= p.seq:
+    L = tiling.round_up(p.seq, rows)
+  elif L % tiling.LANES:
+    raise TilingError("chunk_size", L, f"must be a multiple of {tiling.LANES} (its tokens lie along lanes in the "
+                      f"kernel's per-token rows) or cover the sequence ({p.seq})")
+  if blocks.heads_per_step is not None:
+    hb = blocks.heads_per_step
+    if not _valid_hb(p, hb):
+      raise TilingError("block_sizes", blocks, f"heads_per_step={hb} must divide heads ({p.heads}), divide or be a "
+                        f"multiple of the heads per group ({p.heads_per_group}), and span a multiple of 128 lanes "
+                        f"(heads_per_step * head_dim = {hb * p.head_dim}) unless it is all {p.heads} heads")
+  else:
+    options = [h for h in range(1, p.heads + 1) if _valid_hb(p, h) and h <= max(d.heads_per_step, 1)]
+    hb = max(options) if options else p.heads
+  tiling.vmem_limit(_vmem_bytes(p, L, hb), chip or "v5e", value=blocks)
+  return _Plan(L, hb, _slab_heads(p, hb), tiling.cdiv(p.seq, L))
+
+
+def _flops(p: _Problem, L: int) -> int:
+  """Useful MXU FLOPs of the chunked forward: per chunk, C B^T per group, and per head the
+  masked L x L matrix times x, C h and B^T (w x)."""
+  chunks = p.batch * tiling.cdiv(p.seq, L)
+  return 2 * chunks * (p.groups * L * L * p.state + p.heads * (L * L * p.head_dim + 2 * L * p.state * p.head_dim))
+
+
+def _forward_kernel(*refs, p: _Problem, plan: _Plan):
+  L, hb, k = plan.L, plan.hb, plan.k
+  P, N = p.head_dim, p.state
+  hpg = p.heads_per_group
+  refs = list(refs)
+  x_ref, b_ref, c_ref, csr_ref, csc_ref, scc_ref = refs[:6]
+  i = 6
+  if p.has_reset:
+    segr_ref, segc_ref = refs[i:i + 2]
+    i += 2
+  if p.has_d:
+    d_ref = refs[i]
+    i += 1
+  h0_ref, y_ref, hT_ref, state_ref, cb_ref = refs[i:i + 5]
+
+  hblk, c = pl.program_id(1), pl.program_id(2)
+  mm_dtype = p.dtype
+  prec = lax.Precision.HIGHEST if p.dtype == jnp.float32 else None
+
+  @pl.when(c == 0)
+  def _():
+    state_ref[...] = h0_ref[...]
+
+  ragged = p.seq % L != 0
+  if ragged:
+    valid = (lax.broadcasted_iota(jnp.int32, (L, 1), 0) + c * L) < p.seq
+    clean = lambda v: jnp.where(valid, v, jnp.zeros_like(v))  # noqa: E731
+  else:
+    clean = lambda v: v  # noqa: E731
+
+  gb = max(1, hb // hpg)
+  Bs = [clean(b_ref[g]) for g in range(gb)]
+  Cs = [clean(c_ref[g]) for g in range(gb)]
+  for g in range(gb):
+    cb_ref[g] = lax.dot_general(Cs[g], Bs[g], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=prec)
+  t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+  s_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+  mask = t_idx >= s_idx
+  if p.has_reset:
+    segr, segc = segr_ref[...], segc_ref[...]  # (1, L), (L, 1)
+    mask = mask & (segc == segr)
+    first = segc == 0.0  # (L, 1): no reset in the chunk up to t: the carried state reaches t
+    in_last = segc == segc[L - 1:L, :]  # (L, 1): t is in the chunk's last segment
+    keep_carry = segc[L - 1:L, :] == 0.0  # (1, 1)
+  sw = k * P
+  for j in range(hb // k):
+    lanes = slice(j * sw, (j + 1) * sw)
+    xs = clean(x_ref[:, lanes])
+    st = state_ref[:, lanes]
+    lane_head = lax.div(lax.broadcasted_iota(jnp.int32, (1, sw), 1), jnp.int32(P))  # (lax.div: no sign op)
+    # the per-token scalars of the slab's heads, expanded to their lanes: cs_t and scale_t
+    cs_lane = jnp.broadcast_to(csc_ref[:, j * k:j * k + 1], (L, sw))
+    sc_lane = jnp.broadcast_to(scc_ref[:, j * k:j * k + 1], (L, sw))
+    for i in range(1, k):
+      sel = lane_head == i
+      cs_lane = jnp.where(sel, csc_ref[:, j * k + i:j * k + i + 1], cs_lane)
+      sc_lane = jnp.where(sel, scc_ref[:, j * k + i:j * k + i + 1], sc_lane)
+    xdt = (xs.astype(jnp.float32) * sc_lane).astype(mm_dtype)  # scale_s x_s
+    y = None
+    groups = {}
+    for i in range(k):
+      hl = j * k + i
+      g = hl // hpg if hb > hpg else 0
+      groups.setdefault(g, []).append(i)
+      # the intra-chunk matrix of head hl: (C B^T)[t, s] exp(cs_t - cs_s), s <= t (same segment)
+      decay = jnp.exp(jnp.where(mask, csc_ref[:, hl:hl + 1] - csr_ref[hl], -jnp.inf))
+      yi = jnp.dot((cb_ref[g] * decay).astype(mm_dtype), xdt, preferred_element_type=jnp.float32, precision=prec)
+      y = yi if y is None else jnp.where(lane_head == i, yi, y)
+    end_cs = cs_lane[L - 1:L, :]  # (1, sw): cs at the chunk's last token
+    into = jnp.exp(cs_lane)  # the carried state's decay to token t
+    w = jnp.exp(end_cs - cs_lane) * sc_lane  # token s's weight in the chunk's state update
+    end = jnp.exp(end_cs)  # the carried state's decay over the chunk
+    if p.has_reset:
+      into = jnp.where(first, into, 0.0)
+      w = jnp.where(in_last, w, 0.0)
+      end = jnp.where(keep_carry, end, 0.0)
+    xw = (xs.astype(jnp.float32) * w).astype(mm_dtype)
+    st_mm = st.astype(mm_dtype)
+    new = st * end
+    for g, members in groups.items():
+      yc = jnp.dot(Cs[g], st_mm, preferred_element_type=jnp.float32, precision=prec)
+      upd = lax.dot_general(Bs[g], xw, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=prec)
+      if len(groups) > 1:
+        gsel = functools.reduce(jnp.logical_or, [lane_head == i for i in members])
+        yc, upd = jnp.where(gsel, yc, 0.0), jnp.where(gsel, upd, 0.0)
+      y = y + yc * into
+      new = new + upd
+    if p.has_d:
+      y = y + xs.astype(jnp.float32) * d_ref[:, lanes]
+    y_ref[:, lanes] = y.astype(y_ref.dtype)
+    state_ref[:, lanes] = new
+
+  @pl.when(c == plan.n_chunks - 1)
+  def _():
+    hT_ref[...] = state_ref[...]
+
+
+def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan: _Plan, interpret):
+  """y [b, t, h, p] and the final state [b, h, p, n] f32, through the kernel."""
+  L, hb = plan.L, plan.hb
+  nc = plan.n_chunks
+  Tp = nc * L
+  H, P, N, G = p.heads, p.head_dim, p.state, p.groups
+  hpg = p.heads_per_group
+  gb = max(1, hb // hpg)
+  f32 = jnp.float32
+  pad = Tp - p.seq
+  # per-token scalars: chunk-local cumulative sums of the log-decay, and the input scale (f32, padded)
+  a = jnp.pad(logdecay.astype(f32), ((0, 0), (0, pad), (0, 0)))
+  cs = jnp.cumsum(a.reshape(p.batch, nc, L, H), axis=2).reshape(p.batch, Tp, H)
+  sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
+  rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
+  cols = lambda v: jnp.swapaxes(v.reshape(p.batch, Tp, H // hb, hb), 1, 2)  # noqa: E731  [b, head blocks, t, hb]
+  xf = x.reshape(p.batch, p.seq, H * P)
+  bt = jnp.swapaxes(B, 1, 2) if G > 1 else B.reshape(p.batch, 1, p.seq, N)
+  ct = jnp.swapaxes(C, 1, 2) if G > 1 else C.reshape(p.batch, 1, p.seq, N)
+  hT = jnp.swapaxes(h0.astype(f32).reshape(p.batch, H * P, N), 1, 2)  # [b, n, h*p]
+
+  gmap = (lambda h: h) if hb > hpg else (lambda h: lax.div(h * hb, hpg))  # (lax.div: floor division lowers a sign op)
+  lanes = hb * P
+  in_specs = [
+      pl.BlockSpec((None, L, lanes), lambda b, h, c: (b, c, h)),
+      pl.BlockSpec((None, gb, L, N), lambda b, h, c: (b, gmap(h), c, 0)),
+      pl.BlockSpec((None, gb, L, N), lambda b, h, c: (b, gmap(h), c, 0)),
+      pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
+      pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
+      pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
+  ]
+  args = [xf, bt, ct, rows(cs), cols(cs), cols(sc)]
+  if p.has_reset:
+    r = jnp.pad(reset, ((0, 0), (0, pad))).reshape(p.batch, nc, L).astype(jnp.int32)
+    seg = jnp.cumsum(r, axis=2).astype(f32).reshape(p.batch, Tp)
+    args += [seg.reshape(p.batch, 1, Tp), seg.reshape(p.batch, Tp, 1)]
+    in_specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, c)),
+                 pl.BlockSpec((None, L, 1), lambda b, h, c: (b, c, 0))]
+  if p.has_d:
+    args.append(jnp.repeat(D.astype(f32), P).reshape(1, H * P))
+    in_specs.append(pl.BlockSpec((1, lanes), lambda b, h, c: (0, h)))
+  args.append(hT)
+  state_spec = pl.BlockSpec((None, N, lanes), lambda b, h, c: (b, 0, h))
+  in_specs.append(state_spec)
+  chip = target_chip() or get_chip("v5e")
+  flops = _flops(p, L)
+  bytes_accessed = 2 * x.size * p.dtype.itemsize + 2 * B.size * p.dtype.itemsize + 2 * p.batch * H * P * N * 4
+  y, hT = pl.pallas_call(
+      functools.partial(_forward_kernel, p=p, plan=plan),
+      grid=plan.grid(p),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, L, lanes), lambda b, h, c: (b, c, h)), state_spec],
+      out_shape=[jax.ShapeDtypeStruct((p.batch, p.seq, H * P), p.dtype),
+                 jax.ShapeDtypeStruct((p.batch, N, H * P), f32)],
+      scratch_shapes=[pltpu.VMEM((N, lanes), f32), pltpu.VMEM((gb, L, L), f32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                           vmem_limit_bytes=tiling.vmem_limit(_vmem_bytes(p, L, hb), chip)),
+      cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(p.batch * Tp * H * (L + 3)),
+                                    bytes_accessed=int(bytes_accessed)),
+      interpret=interpret, name="ssd",
+  )(*args)
+  y = y.reshape(p.batch, p.seq, H, P)
+  hT = jnp.swapaxes(hT, 1, 2).reshape(p.batch, H, P, N)
+  return y, hT
+
+
+def _pallas_path(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, blocks: BlockSizes, interpret):
+  """The differentiable Pallas forward (the backward: the chunked XLA algorithm's VJP)."""
+  if p.dtype not in KERNEL_DTYPES:
+    raise NotImplementedError(f"the Pallas kernel takes float32 and bfloat16, not {p.dtype.name} "
+                              "(float64 runs on the XLA path)")
+  plan = _plan(p, blocks)
+  if h0 is None:
+    h0 = jnp.zeros((p.batch, p.heads, p.head_dim, p.state), jnp.float32)
+  if D is None:
+    D = jnp.zeros((p.heads,), jnp.float32)  # (a differentiable placeholder; the kernel skips it)
+  # (reset enters the custom_vjp as a float argument, not a closure: a custom_vjp must not close over
+  # traced arrays, and a bool argument would need a float0 cotangent)
+  keep = jnp.zeros((p.batch, p.seq), jnp.float32) if reset is None else reset.astype(jnp.float32)
+  rst = lambda keep: (keep > 0.5) if p.has_reset else None  # noqa: E731
+
+  def fwd(x, scale, logdecay, B, C, D, h0, keep):
+    return _pallas_forward(x, scale, logdecay, B, C, D if p.has_d else None, h0, rst(keep), p=p, plan=plan,
+                           interpret=interpret)
+
+  def xla(x, scale, logdecay, B, C, D, h0, keep):
+    return _chunked_core(x, scale, logdecay, B, C, D if p.has_d else None, h0, rst(keep), plan.L)
+
+  @jax.custom_vjp
+  def f(*args):
+    return fwd(*args)
+
+  def f_fwd(*args):
+    return fwd(*args), args
+
+  def f_bwd(args, ct):
+    dy, dh = ct
+    _, vjp = jax.vjp(lambda *a: xla(*a, args[-1]), *args[:-1])
+    return vjp((dy, dh.astype(jnp.float32))) + (jnp.zeros_like(args[-1]),)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f(x, scale, logdecay, B, C, D, h0.astype(jnp.float32), keep)
+
+
+def _run(op, x, scale, logdecay, B, C, D, h0, reset, *, p, blocks, implementation, interpret):
+  chunk = blocks.chunk_size or default_block_sizes(getattr(target_chip(), "name", None)).chunk_size
+  return dispatch(
+      op, x, scale, logdecay, B, C, D, h0, reset,
+      pallas=lambda *a, interpret: _pallas_path(*a, p=p, blocks=blocks, interpret=interpret),
+      xla=lambda *a: _chunked_core(*a, chunk),
+      implementation=implementation, interpret=interpret)
+
+
+def ssd(x, dt, A, B, C, *, D=None, chunk_size=None, h0=None, reset=None, return_final_state=False,
+        block_sizes=None, implementation=None, interpret=None):
+  """Mamba-2's selective state space (SSD) in chunked form, state in f32.
+
+  Per head, ``h_t = exp(dt_t * A) * h_{t-1} + dt_t * (x_t ⊗ B_t)`` (state ``[head_dim,
+  state]``) and ``y_t = h_t · C_t + D * x_t``.
+
+  Args:
+    x: ``[batch, seq, heads, head_dim]``, float32 or bfloat16 (float64 on the XLA path).
+    dt: ``[batch, seq, heads]``, the step sizes (already softplus-ed), any float dtype
+      (used in f32).
+    A: ``[heads]``, the (negative) decay rates.
+    B, C: ``[batch, seq, groups, state]``, ``x``'s dtype; ``groups`` divides ``heads``
+      and head ``h`` reads group ``h // (heads // groups)``.
+    D: None or ``[heads]``, the skip connection.
+    chunk_size: tokens per chunk: a multiple of 128 or at least ``seq``; None for the
+      per-generation default (:func:`default_block_sizes`).
+    h0: None or the state before the first token, ``[batch, heads, head_dim, state]``.
+    reset: None or ``[batch, seq]`` bool: True on a document's first token drops the
+      state coming into it (packed documents), as in :func:`kernels.linear_scan`.
+    return_final_state: also return the state after the last token (f32).
+    block_sizes: a :class:`BlockSizes` (``chunk_size``, ``heads_per_step``) or a tuple.
+    implementation, interpret: see :func:`kernels.dispatch`.
+
+  Returns:
+    ``y`` ``[batch, seq, heads, head_dim]`` in ``x``'s dtype; with ``return_final_state``,
+    ``(y, h_last)``. Differentiable in every array argument (the backward is the chunked
+    XLA algorithm's VJP).
+
+  Raises:
+    KernelError: bad input, naming the argument, before anything is lowered.
+  """
+  _float("A", A)
+  p = _validate(x, dt, A, B, C, D, h0, reset, return_final_state)
+  blocks = _check_blocks(chunk_size, block_sizes)
+  f = _state_dtype(p.dtype)
+  logdecay = dt.astype(f) * A.astype(f)
+  y, h = _run("ssd", x, dt, logdecay, B, C, D, h0, reset, p=p, blocks=blocks, implementation=implementation,
+              interpret=interpret)
+  return (y, h) if return_final_state else y
+
+
+def _gla_args(q, k, v, log_decay):
+  check(_is_array(q) and q.ndim == 4, "q", q, "must be [batch, seq, heads, key_dim]")
+  check(_is_array(k) and tuple(k.shape) == tuple(q.shape), "k", k, f"must have q's shape {tuple(q.shape)}")
+  check(_is_array(v) and v.ndim == 4 and tuple(v.shape[:3]) == tuple(q.shape[:3]), "v", v,
+        f"must be [batch, seq, heads, value_dim] with batch, seq, heads = {tuple(q.shape[:3])}")
+  check(_is_array(log_decay), "log_decay", log_decay, "must be an array")
+  return jnp.ones(tuple(v.shape[:3]), jnp.float32)
+
+
+def gated_linear_attention_reference(q, k, v, log_decay, *, h0=None, reset=None, return_final_state=False):
+  """:func:`gated_linear_attention` one token at a time (``lax.scan``)."""
+  ones = _gla_args(q, k, v, log_decay)
+  _validate(v, log_decay, None, k, q, None, h0, reset, return_final_state, names=("v", "log_decay", "A", "k", "q"))
+  y, h = _reference_core(v, ones, log_decay, k, q, None, h0, reset)
+  return (y, h) if return_final_state else y
+
+
+def gated_linear_attention(q, k, v, log_decay, *, chunk_size=None, h0=None, reset=None, return_final_state=False,
+                           block_sizes=None, implementation=None, interpret=None):
+  """Gated linear attention with a per-token scalar decay per head, on the SSD kernel.
+
+  ``S_t = exp(log_decay_t) * S_{t-1} + v_t ⊗ k_t`` (state ``[value_dim, key_dim]`` per head,
+  f32) and ``o_t = S_t · q_t``: :func:`ssd` with ``x = v``, ``B = k``, ``C = q`` (one group
+  per head), ``dt * A`` replaced by ``log_decay`` and the input scale ``dt`` by 1. No
+  ``1/sqrt(key_dim)`` scaling is applied: scale ``q`` first if wanted.
+
+  Args:
+    q, k: ``[batch, seq, heads, key_dim]``; v: ``[batch, seq, heads, value_dim]``, all one
+      float dtype (float32 or bfloat16 for the kernel).
+    log_decay: ``[batch, seq, heads]``, ``log`` of the decay (<= 0), any float dtype.
+    chunk_size, h0 (``[batch, heads, value_dim, key_dim]``), reset, return_final_state,
+    block_sizes, implementation, interpret: as in :func:`ssd`.
+  """
+  ones = _gla_args(q, k, v, log_decay)
+  p = _validate(v, log_decay, None, k, q, None, h0, reset, return_final_state,
+                names=("v", "log_decay", "A", "k", "q"))
+  blocks = _check_blocks(chunk_size, block_sizes)
+  y, h = _run("gated_linear_attention", v, ones, log_decay.astype(_state_dtype(p.dtype)), k, q, None, h0, reset,
+              p=p, blocks=blocks, implementation=implementation, interpret=interpret)
+  return (y, h) if return_final_state else y

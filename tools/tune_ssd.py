@@ -1,0 +1,225 @@
+"""Tunes kernels.ssd's chunk and heads per step, and benchmarks ssd against the plain-JAX chunked SSD, with the
+TPU compiler's cost model.
+
+Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost model), never a
+measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time,
+never less than the program's counted HBM bytes at the published bandwidth).
+
+The problem is Mamba-2's: batch 1, ``seq`` 8192, 32 heads x 64 head_dim, state 128, one group, bf16 ``x``, ``B``,
+``C`` (f32 ``dt`` and ``A``), with ``D``. libtpu's static profile of the kernel at seq 8192 needs more RAM than
+this machine can give one job (a first try was killed at 24 GB), so the programs are estimated on *slices* of
+the sequence (``--seq`` for tune, ``--seqs`` for bench) and every time is scaled by ``8192 / seq`` (``scale`` in
+each record). The kernel's grid does the same work in every step, so its time is linear in ``seq``; XLA's
+program need not be (it may fuse or lay out differently at another size), so bench estimates two slices and
+keeps both, and the notebook shows how the scaled times move with the slice.
+
+* ``tune`` -> ``ssd_blocks.json``: on v5e and v6e, forward alone, every chunk in {128, 256} and heads per step
+  in {8, 16, 32}; the fastest wins (within 1%: the smaller VMEM plan). v5p and v4 copy v5e's choice.
+* ``bench`` -> ``ssd_bench.json``: on v5e and v6e, forward and forward + backward: ours (default blocks) and
+  :func:`kernels.ssd.ssd_chunked_xla` (chunk 128 on v5e, 256 on v6e, as ours; and the other chunk too), with
+  the roofline on both sides: HBM (``x``, ``B``, ``C`` read once, ``y`` written once) and MXU (the chunked
+  algorithm's useful matmul FLOPs at the chip's bf16 peak).
+
+Each estimate runs in a child process, results are written after each one (a run resumes). Run it under the
+shared lock::
+
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/tune_ssd.py tune
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/tune_ssd.py bench
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import datetime
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+ssd = importlib.import_module("kernels.ssd")  # (the module: `kernels.ssd` is the function)
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
+BLOCKS_OUT = os.path.join(DATA, "ssd_blocks.json")
+BENCH_OUT = os.path.join(DATA, "ssd_bench.json")
+
+SHAPE = dict(batch=1, seq=8192, heads=32, head_dim=64, groups=1, state=128)
+GENERATIONS = ("v5e", "v6e")
+CHUNKS = (128, 256)
+HEADS_PER_STEP = (8, 16, 32)
+TIE = 0.01
+KERNEL_VERSION = 1  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step), XLA chunked backward
+
+
+def problem(seq: int):
+  s = dict(SHAPE, seq=seq)
+  return ssd._Problem(s["batch"], seq, s["heads"], s["head_dim"], s["groups"], s["state"], jnp.dtype(jnp.bfloat16),
+                      True, False)
+
+
+def flops(seq: int, chunk: int, mode: str) -> int:
+  """The chunked algorithm's useful matmul FLOPs (forward; a backward does about twice the forward's)."""
+  return ssd._flops(problem(seq), chunk) * (3 if mode == "fwdbwd" else 1)
+
+
+def bytes_moved(seq: int, mode: str) -> int:
+  """Compulsory HBM bytes: forward reads x, B, C (bf16) and dt (f32), writes y; forward + backward also reads
+  dy and writes dx, dB, dC, ddt."""
+  s = SHAPE
+  x = s["batch"] * seq * s["heads"] * s["head_dim"] * 2
+  bc = 2 * s["batch"] * seq * s["groups"] * s["state"] * 2
+  dt = s["batch"] * seq * s["heads"] * 4
+  fwd = 2 * x + bc + dt
+  return fwd if mode == "fwd" else 2 * fwd + x
+
+
+def _program(cfg):
+  s = dict(SHAPE, seq=cfg["seq"])
+  b, t, h, p, g, n = (s[k] for k in ("batch", "seq", "heads", "head_dim", "groups", "state"))
+  sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  args = [sds((b, t, h, p), bf), sds((b, t, h), jnp.float32), sds((h,), jnp.float32), sds((b, t, g, n), bf),
+          sds((b, t, g, n), bf), sds((h,), jnp.float32)]
+  if cfg["impl"] == "ours":
+    blocks = ssd.BlockSizes(cfg.get("chunk_size"), cfg.get("heads_per_step"))
+    fwd = lambda x, dt, A, B, C, D: ssd.ssd(x, dt, A, B, C, D=D, block_sizes=blocks)  # noqa: E731
+  elif cfg["impl"] == "chunked_xla":
+    fwd = lambda x, dt, A, B, C, D: ssd.ssd_chunked_xla(x, dt, A, B, C, D=D, chunk_size=cfg["chunk_size"])  # noqa: E731
+  else:
+    raise ValueError(cfg["impl"])
+  if cfg["mode"] == "fwd":
+    return fwd, args
+
+  def fwdbwd(x, dt, A, B, C, D, dy):
+    y, vjp = jax.vjp(fwd, x, dt, A, B, C, D)
+    return y, vjp(dy)
+  return fwdbwd, args + [args[0]]
+
+
+def estimate(cfg) -> dict:
+  """One estimate at ``cfg["seq"]`` tokens, every time scaled to SHAPE's seq."""
+  fn, args = _program(cfg)
+  chunk = cfg.get("chunk_size") or 128
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(cfg["seq"], chunk, cfg["mode"]),
+                           bytes_accessed=bytes_moved(cfg["seq"], cfg["mode"]))
+  r = e.record()
+  scale = SHAPE["seq"] / cfg["seq"]
+  for k in ("us", "model_us", "floor_us"):
+    r[k] = round(r[k] * scale, 3)
+  r["hbm_bytes"] = int(r["hbm_bytes"] * scale)
+  r.update(scale=scale, estimated_seq=cfg["seq"], compile_seconds=round(e.compile_seconds, 1),
+           vmem_bytes=e.vmem_bytes)
+  return r
+
+
+def estimate_isolated(cfg) -> dict:
+  return result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
+
+
+def roofline(gen: str, mode: str, chunk: int) -> dict:
+  """Both sides of the roofline at SHAPE, in microseconds: HBM (compulsory bytes at the published bandwidth)
+  and MXU (useful matmul FLOPs at the bf16 peak), and which binds."""
+  chip = kernels.get_chip(gen)
+  hbm = bytes_moved(SHAPE["seq"], mode) / chip.hbm_bandwidth * 1e6
+  mxu = flops(SHAPE["seq"], chunk, mode) / chip.peak("bfloat16") * 1e6
+  return {"hbm_us": round(hbm, 3), "mxu_us": round(mxu, 3), "binds": "MXU" if mxu > hbm else "HBM",
+          "bytes": bytes_moved(SHAPE["seq"], mode), "flops": flops(SHAPE["seq"], chunk, mode)}
+
+
+def _header(description):
+  return {"description": description, "generated_by": "tools/tune_ssd.py", "kind": "compiler estimate (floored)",
+          "environment": {"jax": jax.__version__, "python": platform.python_version()}, "shape": SHAPE}
+
+
+def tune(args):
+  table = result_tables.load(BLOCKS_OUT) or _header("")
+  table["description"] = (
+      "Default chunk_size and heads_per_step of kernels.ssd per TPU generation, chosen from compiler estimates "
+      "(libtpu's static cost model, floored at the HBM bandwidth; estimates, not measurements) of the forward at "
+      f"{SHAPE} bf16, estimated on a slice of the sequence and scaled to it (see tools/tune_ssd.py). Within 1% "
+      "of the fastest, the smaller VMEM plan wins. v5p and v4 copy v5e (not swept; v4 has no cost model).")
+  defaults = table.setdefault("defaults", {})
+  for gen in args.generations:
+    sweep = {}
+    for L in CHUNKS:
+      for hb in HEADS_PER_STEP:
+        cfg = dict(generation=gen, impl="ours", mode="fwd", seq=args.seq, chunk_size=L, heads_per_step=hb)
+        sweep[(L, hb)] = r = estimate_isolated(cfg)
+        print(gen, L, hb, r.get("us"), r.get("model_us"), r.get("error", ""), flush=True)
+    scores = {k: r["us"] for k, r in sweep.items() if "us" in r and r.get("valid", True)}
+    if not scores:
+      print(f"{gen}: no candidate estimated; entry left as it was", flush=True)
+      continue
+    best = min(scores.values())
+    p = problem(SHAPE["seq"])
+    L, hb = min((k for k, us in scores.items() if us <= best * (1 + TIE)),
+                key=lambda k: (ssd._vmem_bytes(p, *k), scores[k]))
+    defaults[gen] = {"chunk_size": L, "heads_per_step": hb, "forward": sweep[(L, hb)],
+                     "sweep": {f"{k[0]}x{k[1]}": ({"us": v["us"], "model_us": v["model_us"]} if "us" in v else v)
+                               for k, v in sorted(sweep.items())},
+                     "kernel": KERNEL_VERSION, "tuned": datetime.date.today().isoformat()}
+    if gen == "v5e":
+      for other in ("v5p", "v4"):
+        defaults[other] = {"chunk_size": L, "heads_per_step": hb,
+                           "source": "v5e's choice (not swept; libtpu has no cost model for v4)"}
+    result_tables.save(table, BLOCKS_OUT)
+
+
+def bench(args):
+  table = result_tables.load(BENCH_OUT) or _header("")
+  table["description"] = (
+      f"kernels.ssd against the plain-JAX chunked SSD (kernels.ssd.ssd_chunked_xla) at {SHAPE}, bf16 x, B, C, f32 "
+      "state: compiler estimates (libtpu's static cost model), not measurements, made on a slice of estimated_seq "
+      "tokens and scaled by `scale` to the full sequence (both programs' work is the same for every chunk). us is "
+      "the floored estimate: the model's time (model_us), never less than the program's counted HBM bytes at the "
+      "published bandwidth (floor_us). roofline: hbm_us (compulsory bytes at the published bandwidth) and mxu_us "
+      "(the chunked algorithm's useful matmul FLOPs, at the generation's default chunk, at the bf16 peak; forward + "
+      "backward counted as 3x the forward). Ours' backward is the chunked XLA algorithm's VJP.")
+  table["roofline"] = {f"{gen}/{mode}": roofline(gen, mode, ssd.default_block_sizes(gen).chunk_size)
+                       for gen in GENERATIONS for mode in ("fwd", "fwdbwd")}
+  results = table.setdefault("results", {})
+  for seq in args.seqs:
+   for gen in args.generations:
+    for impl, chunks in (("ours", (None,)), ("chunked_xla", CHUNKS)):
+      for L in chunks:
+        for mode in args.modes:
+          key = f"{gen}/{impl}{'' if L is None else f'@{L}'}/{mode}/{seq}"
+          if key in results and "us" in results[key] and not args.force:
+            continue
+          cfg = dict(generation=gen, impl=impl, mode=mode, seq=seq)
+          if L is not None:
+            cfg["chunk_size"] = L
+          r = estimate_isolated(cfg)
+          r.update(cfg)
+          if impl == "ours":
+            r["kernel"] = KERNEL_VERSION
+            r["blocks"] = ssd.default_block_sizes(gen).as_dict()
+          results[key] = r
+          print(key, r.get("us"), r.get("model_us"), r.get("floor_us"), r.get("error", ""), flush=True)
+          result_tables.save(table, BENCH_OUT)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("job", choices=("tune", "bench", "one"))
+  ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
+  ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+  ap.add_argument("--seq", type=int, default=1024, help="(tune) tokens estimated (times scaled to SHAPE's seq)")
+  ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096],
+                  help="(bench) the slices estimated, each scaled to SHAPE's seq")
+  ap.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"])
+  ap.add_argument("--force", action="store_true")
+  args = ap.parse_args(argv)
+  if args.job == "one":
+    result_tables.print_result(estimate, args.config)
+    return
+  (tune if args.job == "tune" else bench)(args)
+
+
+if __name__ == "__main__":
+  main()
