@@ -270,3 +270,28 @@ def _run(program, *argv):
 @pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
 def test_aot_compiles_forward_and_backward(generation):
   _run(_AOT_PROGRAMS, generation)
+
+
+_LONG = """
+import jax, jax.numpy as jnp, kernels
+sds, T, W = jax.ShapeDtypeStruct, 131072, 256
+
+def f(x, A, B, C, h0, dy):
+  y, vjp = jax.vjp(lambda x, A, B, C, h0: kernels.parallel_scan(x, A, B, C, h0=h0), x, A, B, C, h0)
+  return y, vjp(dy)
+
+seq = sds((1, T, W), jnp.bfloat16)
+comp = kernels.compile_for_tpu(f, seq, *[sds((W, W), jnp.bfloat16)] * 3, sds((1, W), jnp.float32), seq,
+                               generation="v5e", profile=False)
+x_bytes = T * W * 2
+m = comp.memory
+# arguments x and dy, outputs y and dx (and the small gradients); the temporaries (the states
+# saved at chunk boundaries, the carries) a fraction of one [seq, width] array.
+assert m["argument"] < 2.1 * x_bytes and m["output"] < 2.1 * x_bytes and m["temp"] < 0.25 * x_bytes, m
+print("ok", m)
+"""
+
+
+@pytest.mark.tpu_aot
+def test_128k_tokens_at_batch_1_hold_o_seq_width_in_hbm():
+  _run(_LONG)
