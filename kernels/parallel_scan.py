@@ -65,6 +65,12 @@ XLA, then the full reverse pass). The full pass also forms ``dx = G @ B^T``,
   (``[batch, seq, n]`` f32) and the backward reads it, replacing the recompute loop by
   one matmul ``H = H_prev @ A + X @ B``.
 
+*Whole segments per block.* When a block of ``Lb`` segments of ``s`` tokens has at most
+:data:`WHOLE_SEGMENT_ROWS` tokens, ``tj = s``: the block is contiguous in HBM and the
+grid has one step per row block. Longer segments are cut into chunks; the block is then
+``Lb`` strided pieces. (libtpu's cost model charges 0 cycles to the kernels in that case:
+their estimates are only floors, see the notebook.)
+
 *Choosing ``num_segments``* (:func:`default_num_segments`): segments are worth their
 second pass only while the rows on the MXU are too few to hide its latency. The rule:
 ``L = 1`` when ``batch`` alone reaches :data:`TARGET_ROWS` rows; else the smallest power
@@ -102,6 +108,7 @@ MIN_SEGMENT = 64
 """Fewest tokens per segment the default segmentation makes."""
 SEQ_MULTIPLE = 16  # tokens per segment are a multiple of this (the bf16 sublane tile)
 MAX_BLOCK_ROWS = 2048  # Lb * tj: tokens of one grid step (each f32 slab of [Lb * tj, n] is 4 * 2048 * n bytes)
+WHOLE_SEGMENT_ROWS = 4096  # up to this many tokens a block holds whole segments (one chunk per segment)
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -262,7 +269,7 @@ def _plan(p: _Problem, num_segments: int | None, checkpoint: bool) -> _Plan:
   def tj_for(lb, cap_rows):
     return SEQ_MULTIPLE * _largest_divisor(m, max(1, cap_rows // lb // SEQ_MULTIPLE))
   cap = MAX_BLOCK_ROWS
-  tj = tj_for(lb, cap)
+  tj = s if lb * s <= WHOLE_SEGMENT_ROWS else tj_for(lb, cap)
   while 1.25 * _vmem_bytes(p, lb, tj, n, checkpoint) + (1 << 20) > chip.vmem_bytes:
     if tj > SEQ_MULTIPLE:
       cap //= 2

@@ -108,9 +108,10 @@ def test_odd_shapes_single_batch_unbatched():
   assert_close(y, oracle(x, A, B, C, h0)[0])
 
 
-def test_long_segments_of_several_chunks():
-  # 2 segments of 1280 tokens at batch 1: each segment is 2 chunks of 640 (Lb = 2 rows), the state
-  # crossing chunks in VMEM and segments through the carries.
+def test_long_segments_of_several_chunks(monkeypatch):
+  # 2 segments of 1280 tokens at batch 1, cut into 2 chunks of 640 (Lb = 2 rows; a block of whole
+  # segments is switched off): the state crosses chunks in VMEM and segments through the carries.
+  monkeypatch.setattr(ps, "WHOLE_SEGMENT_ROWS", 0)
   x, A, B, C, h0 = model(1, 2560, 4, 8, 4, seed=3)
   plan = ps._plan(ps._validate(x, A, B, C, h0, 2, True), 2, True)
   assert plan.grid == (1, 2) and plan.s == 1280
@@ -141,8 +142,11 @@ def test_xla_path_and_float64():
 # --- backward ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("segments,checkpoint", [(1, True), (3, False)])  # (3, True): the bf16 test
-def test_gradients_match_reference_vjp(segments, checkpoint):
+@pytest.mark.parametrize("segments,checkpoint,chunked", [(1, True, True), (3, False, False)])  # (3, True): bf16
+def test_gradients_match_reference_vjp(segments, checkpoint, chunked, monkeypatch):
+  if chunked:  # segments cut into chunks of 16 tokens: the reverse carry and the checkpoints cross chunks
+    monkeypatch.setattr(ps, "WHOLE_SEGMENT_ROWS", 0)
+    monkeypatch.setattr(ps, "MAX_BLOCK_ROWS", 32)
   x, A, B, C, h0 = model(2, 40, 8, 20, 6, seed=4)
   dy = jnp.asarray(np.random.default_rng(5).standard_normal((2, 40, 6)), jnp.float32)
   fn = lambda x, A, B, C, h0: call(x, A, B, C, h0=h0, num_segments=segments, checkpoint=checkpoint)  # noqa: E731
