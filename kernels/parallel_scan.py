@@ -12,7 +12,7 @@ How it works
 *Why segments.* Each step is a ``[rows, n] @ [n, n]`` matmul that depends on the step
 before it. With the batch alone on the MXU's M side (one row at batch 1), every step
 waits for the MXU's latency (about 0.1 us on v5e, compiler estimate) and the MXU idles:
-128k tokens at batch 1 would take ~15 ms however small ``n`` is. So the sequence is cut
+128k tokens at batch 1 would take ~13 ms however small ``n`` is. So the sequence is cut
 into ``L = num_segments`` segments of ``s`` tokens, and the segments run side by side:
 each step is a ``[batch * L, n] @ [n, n]`` matmul, ``s`` steps in all.
 
@@ -75,12 +75,15 @@ their estimates are only floors, see the notebook.)
 second pass only while the rows on the MXU are too few to hide its latency. The rule:
 ``L = 1`` when ``batch`` alone reaches :data:`TARGET_ROWS` rows; else the smallest power
 of two with ``batch * L >= TARGET_ROWS``, capped so that segments keep at least
-:data:`MIN_SEGMENT` tokens. ``tools/tune_scan.py parallel`` checks the rule against
+:data:`MIN_SEGMENT` tokens. ``tools/tune_parallel_scan.py segments`` checks the rule against
 compiler estimates (``kernels/data/parallel_scan_bench.json``).
 
 *Backend choice* (:func:`kernels.dispatch`): ``implementation=None`` runs the Pallas
 kernels when lowered for TPU and the reference elsewhere; float64 runs on the
 reference only.
+
+*Names.* ``kernels.parallel_scan`` is the function (the package exports it flat); this
+module is ``importlib.import_module("kernels.parallel_scan")``.
 """
 from __future__ import annotations
 
