@@ -15,6 +15,7 @@ from kernels.scan import BlockSizes as ScanBlockSizes, linear_scan, linear_scan_
 from kernels.rope import BlockSizes as RopeBlockSizes, RopeScaling, rope, rope_reference, rope_table
 from kernels.ssd import (BlockSizes as SsdBlockSizes, gated_linear_attention, gated_linear_attention_reference,
                          ssd, ssd_chunked_xla, ssd_reference)
+from kernels.parallel_scan import parallel_scan, parallel_scan_reference  # (the names shadow the module: see it)
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
@@ -30,6 +31,7 @@ __all__ = [
     "RopeBlockSizes", "RopeScaling", "rope", "rope_reference", "rope_table",
     "SsdBlockSizes", "gated_linear_attention", "gated_linear_attention_reference", "ssd", "ssd_chunked_xla",
     "ssd_reference",
+    "parallel_scan", "parallel_scan_reference",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",
