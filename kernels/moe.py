@@ -313,18 +313,25 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
   _check_layer_args(x, router_w, w_gate, w_up, w_down, activation)
   r = route(x, router_w, top_k=top_k, scoring=scoring, normalize_weights=normalize_weights,
             expert_bias=expert_bias, capacity_factor=capacity_factor)
-  tokens, d = x.shape
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
-  f = w_gate_up.shape[2] // 2
   kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
+  grouped = lambda lhs, rhs: gmm(lhs, rhs, r.group_sizes, **kw)  # noqa: E731
+  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped), _aux(r)
 
+
+def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
+  """Permute, the two grouped matmuls (``grouped(lhs, rhs)``) with the activation product
+  between them, unpermute and combine: the layer after routing. ``tools/bench_moe.py`` runs
+  it on other grouped matmuls."""
+  tokens, d = x.shape
+  top_k = r.expert_ids.shape[1]
+  f = w_gate_up.shape[2] // 2
   xs = _dispatch(x, r.order, r.position, top_k)                       # [tokens * top_k, d]
-  h = gmm(xs, w_gate_up.astype(x.dtype), r.group_sizes, **kw)         # [tokens * top_k, 2f]
+  h = grouped(xs, w_gate_up.astype(x.dtype))                          # [tokens * top_k, 2f]
   act = (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(x.dtype)
-  ys = gmm(act, w_down.astype(x.dtype), r.group_sizes, **kw)         # [tokens * top_k, d]
+  ys = grouped(act, w_down.astype(x.dtype))                           # [tokens * top_k, d]
   yt = _unpermute(ys, r.order, r.position).reshape(tokens, top_k, d)
-  y = jnp.einsum("tkd,tk->td", yt.astype(jnp.float32), r.weights.astype(jnp.float32)).astype(x.dtype)
-  return y, _aux(r)
+  return jnp.einsum("tkd,tk->td", yt.astype(jnp.float32), r.weights.astype(jnp.float32)).astype(x.dtype)
 
 
 def _aux(r: Routing) -> dict:
