@@ -21,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels.moe import Routing, expert_capacity, moe, moe_reference, route
+from kernels.moe import Routing, expert_capacity, moe_reference
+from kernels.moe import moe as moe_eager
+from kernels.moe import route as route_eager
+
+# Jitted: one compile per shape instead of one per op (hypothesis draws many shapes).
+_STATIC = ("top_k", "scoring", "normalize_weights", "capacity_factor", "activation", "implementation", "interpret")
+route = jax.jit(route_eager, static_argnames=_STATIC[:4])
+moe = jax.jit(moe_eager, static_argnames=_STATIC)
 
 
 def rand(shape, seed=0, scale=1.0, dtype=jnp.float32):
@@ -140,7 +147,7 @@ def test_load_balancing_loss_is_one_when_uniform_and_grows_with_skew():
   assert float(skew.load_balancing_loss) > 3.0
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(tokens=st.integers(1, 33), experts=st.integers(1, 9), k=st.integers(1, 4),
        scoring=st.sampled_from(["softmax", "sigmoid"]), cf=st.sampled_from([None, 0.3, 1.0, 2.0]),
        seed=st.integers(0, 100), quantize=st.booleans())
@@ -165,10 +172,10 @@ def assert_layer_close(y, want, dtype):
   assert np.abs(y - want).max() <= tol * scale, (np.abs(y - want).max(), scale)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("top_k, capacity_factor, scoring, activation", [
-    (2, None, "softmax", "silu"), (2, 0.6, "softmax", "silu"), (1, None, "sigmoid", "gelu"),
-    (3, 1.0, "sigmoid", "relu")])
+@pytest.mark.parametrize("dtype, top_k, capacity_factor, scoring, activation", [
+    (jnp.float32, 2, None, "softmax", "silu"), (jnp.float32, 2, 0.6, "softmax", "silu"),
+    (jnp.float32, 1, None, "sigmoid", "gelu"), (jnp.float32, 3, 1.0, "sigmoid", "relu"),
+    (jnp.bfloat16, 2, None, "softmax", "silu"), (jnp.bfloat16, 3, 0.6, "sigmoid", "silu")])
 def test_layer_matches_dense_reference(dtype, top_k, capacity_factor, scoring, activation):
   args = layer(dtype=dtype)
   kw = dict(top_k=top_k, capacity_factor=capacity_factor, scoring=scoring, activation=activation)
@@ -202,7 +209,7 @@ def test_skewed_and_empty_experts():
   assert_layer_close(y, moe_reference(x, rw, wg, wu, wd, top_k=2, expert_bias=bias)[0], jnp.float32)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(tokens=st.integers(1, 20), experts=st.integers(1, 6), k=st.integers(1, 3), d=st.sampled_from([8, 24]),
        f=st.sampled_from([8, 16]), cf=st.sampled_from([None, 0.5, 1.25]), seed=st.integers(0, 50))
 def test_layer_hypothesis(tokens, experts, k, d, f, cf, seed):
@@ -273,7 +280,7 @@ def _bad(argument, **overrides):
   kw = dict(x=x, router_w=rw, w_gate=wg, w_up=wu, w_down=wd, top_k=2)
   kw.update(overrides)
   with pytest.raises(kernels.KernelError) as e:
-    moe(**kw)
+    moe_eager(**kw)
   assert e.value.argument == argument, str(e.value)
 
 
@@ -293,7 +300,7 @@ def test_bad_input_names_the_argument():
   _bad("expert_bias", expert_bias=jnp.zeros(5))
   _bad("activation", activation="swish")
   with pytest.raises(kernels.KernelError, match="top_k"):
-    route(x, rw, top_k=9)
+    route_eager(x, rw, top_k=9)
 
 
 # ---------------------------------------------------------------------------------
