@@ -220,16 +220,27 @@ def _operand(x, compute_dtype):
   return x if x.dtype == compute_dtype else x.astype(compute_dtype)
 
 
-def _scratch(plan_acc_shape, nk):
-  return [pltpu.VMEM(plan_acc_shape, jnp.float32)] if nk > 1 else []
-
-
 # ---------------------------------------------------------------------------------
 # gmm: out[rows of g] = lhs[rows of g] @ rhs[g]
 # ---------------------------------------------------------------------------------
 
 
+SUB_ROWS = 128  # rows per sub-tile of a straddled tile (see _gmm_kernel)
+
+
+def _sub_rows(tm: int) -> int:
+  return SUB_ROWS if tm > SUB_ROWS and tm % SUB_ROWS == 0 else tm
+
+
 def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scale: bool):
+  """One (n-tile, visit, K block) step.
+
+  A visit whose group covers its m-tile multiplies the whole tile. A visit of a tile that
+  straddles group boundaries multiplies only the 128-row sub-tiles its group intersects
+  (each its own MXU dot into its rows of the accumulator), so a tile shared by several
+  small groups costs about one tile of MXU work, not one per group; its write is masked
+  to the group's rows.
+  """
   n_pref = 0 if tables.static else 1
   pref = refs[:n_pref]
   lhs_ref, rhs_ref = refs[n_pref], refs[n_pref + 1]
@@ -248,9 +259,10 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   row0 = tile * plan.tm
   full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
   k_valid = plan.k - (nk - 1) * plan.tk
+  sub = _sub_rows(plan.tm)
 
-  def product(last: bool):
-    x, y = lhs_ref[...], rhs_ref[...]
+  def product(x, last: bool):
+    y = rhs_ref[...]
     if last and k_valid < plan.tk:
       x = _zero_tail(x, 1, k_valid)
       y = _zero_tail(y, 1 if transpose_rhs else 0, k_valid)
@@ -258,45 +270,47 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
 
-  def write(val):
-    if has_scale:
-      val = val * scale_ref[...]
+  def scaled(val):
+    return val * scale_ref[...] if has_scale else val
 
-    @pl.when(full)
-    def _():
-      o_ref[...] = val.astype(o_ref.dtype)
-
-    @pl.when(jnp.logical_not(full))
-    def _():
-      rows = row0 + lax.broadcasted_iota(jnp.int32, (plan.tm, 1), 0)
-      mask = jnp.logical_and(rows >= start, rows < end)
-      o_ref[...] = jnp.where(mask, val.astype(o_ref.dtype), o_ref[...])
-
-  def write_zeros():  # rows of the tail (past the groups' sum)
+  def masked_store(val):
     rows = row0 + lax.broadcasted_iota(jnp.int32, (plan.tm, 1), 0)
     mask = jnp.logical_and(rows >= start, rows < end)
-    o_ref[...] = jnp.where(mask, jnp.zeros((), o_ref.dtype), o_ref[...])
+    o_ref[...] = jnp.where(mask, val, o_ref[...])
 
-  if nk == 1:
-    @pl.when(compute)
-    def _():
-      write(product(True))
-  else:
-    @pl.when(jnp.logical_and(compute, kk == 0))
-    def _():
-      acc_ref[...] = product(False)
+  def full_step(first: bool, last: bool):
+    p = product(lhs_ref[...], last)
+    if last:
+      o_ref[...] = scaled(p if first else acc_ref[...] + p).astype(o_ref.dtype)
+    elif first:
+      acc_ref[...] = p
+    else:
+      acc_ref[...] += p
 
-    @pl.when(jnp.logical_and(compute, jnp.logical_and(kk > 0, kk < nk - 1)))
-    def _():
-      acc_ref[...] += product(False)
+  def partial_step(first: bool, last: bool):
+    for s in range(plan.tm // sub):
+      lo = row0 + s * sub
 
-    @pl.when(jnp.logical_and(compute, kk == nk - 1))
-    def _():
-      write(acc_ref[...] + product(True))
+      @pl.when(jnp.logical_and(lo < end, lo + sub > start))
+      def _():
+        p = product(lhs_ref[pl.ds(s * sub, sub), :], last)
+        if first:
+          acc_ref[pl.ds(s * sub, sub), :] = p
+        else:
+          acc_ref[pl.ds(s * sub, sub), :] += p
+    if last:
+      masked_store(scaled(acc_ref[...]).astype(o_ref.dtype))
+
+  steps = [(kk == 0, True, nk == 1)] if nk == 1 else [
+      (kk == 0, True, False), (jnp.logical_and(kk > 0, kk < nk - 1), False, False), (kk == nk - 1, False, True)]
+  for when, first, last in steps:
+    pl.when(jnp.logical_and(compute, jnp.logical_and(when, full)))(functools.partial(full_step, first, last))
+    pl.when(jnp.logical_and(compute, jnp.logical_and(when, jnp.logical_not(full))))(
+        functools.partial(partial_step, first, last))
 
   @pl.when(jnp.logical_and(jnp.logical_not(compute), kk == nk - 1))
-  def _():
-    write_zeros()
+  def _():  # rows of the tail (past the groups' sum)
+    masked_store(jnp.zeros((plan.tm, plan.tn), o_ref.dtype))
 
 
 def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: bool, out_dtype, static: bool,
@@ -343,7 +357,7 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
   grid = (plan.n_tiles, plan.visits, nk)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs, out_specs=pl.BlockSpec((tm, tn), out_map),
-      scratch_shapes=_scratch((tm, tn), nk))
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
   flops = 2 * plan.m * plan.k * plan.n
   nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize
             + plan.m * plan.n * jnp.dtype(out_dtype).itemsize)

@@ -131,7 +131,8 @@ def test_gmm_matches_oracle_and_ragged_dot(name, dtype):
 def test_gmm_transpose_rhs_and_f32_output(name):
   sizes = SIZES[name]
   lhs, rhs = rand((M, KD), jnp.bfloat16, 3), rand((4, N, KD), jnp.bfloat16, 4)
-  out = call_gmm(lhs, rhs, sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
+  out = call_gmm(lhs, rhs, sizes, transpose_rhs=True, preferred_element_type=jnp.float32,
+                 block_sizes=(256, 128, 128))  # straddled tiles computed in 128-row sub-tiles
   assert out.dtype == jnp.float32
   assert_close(out, oracle_gmm(lhs, rhs, sizes, transpose_rhs=True), jnp.float32)
 
@@ -176,6 +177,24 @@ def test_hypothesis_skewed_and_empty_groups(sizes, extra, k, n, bf16, tm):
   assert_close(out, oracle_gmm(lhs, rhs, sizes), dtype)
   lt, rt = rand((k, m), dtype, 15), rand((m, n), dtype, 16)
   assert_close(call_tgmm(lt, rt, sizes, block_sizes=(tm, 128, 128)), oracle_tgmm(lt, rt, sizes), dtype)
+
+
+@pytest.mark.parametrize("qdtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_quantized_rhs_with_per_channel_scales(qdtype, transpose_rhs):
+  sizes = SIZES["short"]
+  lhs = rand((M, KD), jnp.bfloat16, 26)
+  w = np.random.default_rng(27).standard_normal((4, N, KD) if transpose_rhs else (4, KD, N)) * 3
+  rhs = jnp.asarray(np.clip(np.round(w), -127, 127).astype(np.int8)) if qdtype == jnp.int8 else jnp.asarray(w, qdtype)
+  scale = jnp.asarray(np.random.default_rng(28).uniform(0.01, 0.1, (4, N)), jnp.float32)
+  want = oracle_gmm(lhs, rhs.astype(jnp.float32), sizes, transpose_rhs=transpose_rhs, scale=scale)
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    out = call_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs, rhs_scale=scale, preferred_element_type=out_dtype)
+    assert out.dtype == out_dtype
+    assert_close(out, want, out_dtype)
+  ref = kernels.gmm_reference(lhs, rhs, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs,
+                              rhs_scale=scale[:, None, :])
+  assert_close(ref, want, jnp.bfloat16)
 
 
 # --- tgmm ----------------------------------------------------------------------------------
