@@ -12,6 +12,7 @@ from kernels.matmul import BlockSizes, matmul, matmul_reference, quantized_matmu
 from kernels.attention import BlockSizes as AttentionBlockSizes, attention_reference, flash_attention
 from kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.scan import BlockSizes as ScanBlockSizes, linear_scan, linear_scan_reference
+from kernels.gmm import GmmBlockSizes, gmm, gmm_reference, tgmm, tgmm_reference
 from kernels.moe import Routing, expert_capacity, moe, moe_reference, route
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
@@ -25,6 +26,7 @@ __all__ = [
     "AttentionBlockSizes", "attention_reference", "flash_attention",
     "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
     "ScanBlockSizes", "linear_scan", "linear_scan_reference",
+    "GmmBlockSizes", "gmm", "gmm_reference", "tgmm", "tgmm_reference",
     "Routing", "expert_capacity", "moe", "moe_reference", "route",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
