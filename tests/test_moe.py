@@ -209,7 +209,7 @@ def test_skewed_and_empty_experts():
   assert_layer_close(y, moe_reference(x, rw, wg, wu, wd, top_k=2, expert_bias=bias)[0], jnp.float32)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(tokens=st.integers(1, 20), experts=st.integers(1, 6), k=st.integers(1, 3), d=st.sampled_from([8, 24]),
        f=st.sampled_from([8, 16]), cf=st.sampled_from([None, 0.5, 1.25]), seed=st.integers(0, 50))
 def test_layer_hypothesis(tokens, experts, k, d, f, cf, seed):
@@ -319,13 +319,15 @@ def fwd_bwd(top_k, capacity_factor):
     return jnp.sum(y.astype(jnp.float32) * dy) + aux["load_balancing_loss"] + aux["z_loss"]
   return jax.value_and_grad(loss, argnums=range(5))
 
-t, d, e, f = 512, 256, 8, 512
+t, d, e, f = 256, 256, 8, 256
 args = (sds((t, d), bf16), sds((d, e), jnp.float32), sds((e, d, f), bf16), sds((e, d, f), bf16),
         sds((e, f, d), bf16), sds((t, d), bf16))
-for top_k, cf in ((2, None), (2, 1.25)):
+for top_k, cf in ((2, 1.25),):  # the capacity path: drops, and rows past the sum
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, cf), *args, generation=gen)
+  # the Pallas grouped matmuls: 2 forward, 2 for d lhs and 2 tgmm for d rhs
+  assert comp.hlo.count("tpu_custom_call") >= 6, comp.hlo.count("tpu_custom_call")
   assert comp.vmem_bytes is None or comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
-print("ok", comp.hlo.count("tpu_custom_call"))
+print("ok")
 """
 
 
