@@ -208,7 +208,9 @@ def route(x, router_w, *, top_k: int, scoring: str = "softmax", normalize_weight
   select = probs if expert_bias is None else probs + lax.stop_gradient(expert_bias).astype(acc)
   _, ids = lax.top_k(lax.stop_gradient(select), top_k)  # ties: the lower expert id first
   ids = ids.astype(jnp.int32)
-  weights = jnp.take_along_axis(probs, ids, axis=-1)
+  # A one-hot product, not take_along_axis: its gradient would be a scatter, which libtpu's
+  # cost model aborts on (and a TPU serialises); this one is dense.
+  weights = jnp.sum(probs[:, None, :] * jax.nn.one_hot(ids, experts, dtype=acc), axis=-1)
   if normalize_weights:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
 
@@ -216,7 +218,7 @@ def route(x, router_w, *, top_k: int, scoring: str = "softmax", normalize_weight
   a = jnp.arange(n, dtype=jnp.int32)
   priority = (a % top_k) * tokens + a // top_k  # first choices of all tokens, then second choices, ...
   sorted_e, _, perm = lax.sort((flat, priority, a), num_keys=2)
-  load = jnp.zeros((experts,), jnp.int32).at[flat].add(1)
+  load = jnp.sum(flat[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   if capacity_factor is None:
     order, group_sizes = perm, load
     dropped = jnp.zeros((tokens, top_k), bool)
@@ -227,9 +229,11 @@ def route(x, router_w, *, top_k: int, scoring: str = "softmax", normalize_weight
     group = jnp.where(kept_sorted, sorted_e, experts)  # dropped ones after every kept one
     _, order = lax.sort((group, perm), num_keys=1, is_stable=True)
     group_sizes = jnp.minimum(load, cap)
-    dropped = jnp.zeros((n,), bool).at[perm].set(~kept_sorted).reshape(tokens, top_k)
+    _, dropped = lax.sort((perm, ~kept_sorted), num_keys=1)  # back to assignment order
+    dropped = dropped.reshape(tokens, top_k)
     weights = jnp.where(dropped, 0, weights)
-  position = jnp.zeros((n,), jnp.int32).at[order].set(a).reshape(tokens, top_k)
+  _, position = lax.sort((order, a), num_keys=1)  # the inverse permutation, by a sort (no scatter)
+  position = position.reshape(tokens, top_k)
 
   frac = load.astype(acc) / n
   p = probs if scoring == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
@@ -361,7 +365,6 @@ def moe_reference(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: 
   u = jnp.einsum("td,edf->etf", xf, wu, precision=hi)
   out = jnp.einsum("etf,efd->etd", ACTIVATIONS[activation](g) * u, wd, precision=hi)
   tokens, experts = x.shape[0], router_w.shape[1]
-  dense_w = jnp.zeros((tokens, experts), acc).at[jnp.arange(tokens)[:, None], r.expert_ids].add(
-      r.weights.astype(acc))
+  dense_w = jnp.einsum("tk,tke->te", r.weights.astype(acc), jax.nn.one_hot(r.expert_ids, experts, dtype=acc))
   y = jnp.einsum("te,etd->td", dense_w, out, precision=hi).astype(x.dtype)
   return y, _aux(r)

@@ -27,6 +27,15 @@ constant sizes. megablox has no such method: its grid length and tables are comp
 at run time, so its estimate is the cost model's reading of the dynamic program, and
 each record says so (``method``). The dense layer has no data-dependent control flow.
 
+*Permutations on v5e.* libtpu's v5e cost model aborts the process on any XLA gather of
+rows (a plain ``x[idx]``; v6e's does not), and the layer permutes tokens by gathers. On
+v5e the two gathers are replaced by contiguous copies of the same bytes (``jnp.repeat``
+of ``x`` ``top_k`` times, and a flip of the rows), and their gradients by the copies' own
+(``permutation: "copy"``); on v6e the layer runs as written (``permutation: "gather"``).
+``--compare-permutations`` estimates both on v6e, which checks the stand-in
+(``permutation_check`` in the file). megablox's own group-table code also contains
+gathers, so megablox cannot be estimated on v5e at all.
+
 *Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
 is stopped above ``--max-rss-gb`` (8). When the full layer does not fit, the program
 is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``)
@@ -161,8 +170,21 @@ def dense_layer(case):
   return layer
 
 
+def permutation(cfg) -> str:
+  """``gather`` (the layer as written) on v6e; ``copy`` stand-ins on v5e, whose cost model aborts on XLA gathers."""
+  return cfg.get("permutation") or ("copy" if cfg["generation"] == "v5e" else "gather")
+
+
+def _copy_standins():
+  """Replaces the layer's two row gathers by contiguous copies of the same bytes (see the module docstring)."""
+  moe_mod._dispatch = lambda x, order, position, top_k: jnp.repeat(x, top_k, axis=0)   # reads x, writes N rows
+  moe_mod._unpermute = lambda ys, order, position: jnp.flip(ys, axis=0)                 # reads and writes N rows
+
+
 def program(cfg):
   case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  if permutation(cfg) == "copy":
+    _copy_standins()
   gs = group_sizes(case, cfg["groups"])
   impl = cfg["impl"]
   if impl == "ours":
@@ -277,12 +299,21 @@ def bench(args):
             if key in results and "us" in results[key] and not args.force:
               continue
             cfg = dict(generation=gen, case=case, groups=groups, impl=impl, mode=mode)
+            cfg["permutation"] = permutation(cfg)
             t0 = time.time()
             r = estimate(cfg, args.max_rss_gb)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
             result_tables.save(table, OUT)
+            if args.compare_permutations and cfg["permutation"] == "gather" and impl != "dense":
+              check = dict(cfg, permutation="copy")
+              c = estimate(check, args.max_rss_gb)
+              c.update(check)
+              table.setdefault("permutation_check", {})[key] = {
+                  "gather_us": r.get("us"), "copy_us": c.get("us"), "error": c.get("error")}
+              print(key, "copy stand-in:", c.get("us"), c.get("error", ""), flush=True)
+              result_tables.save(table, OUT)
 
 
 def main(argv=None):
@@ -296,7 +327,12 @@ def main(argv=None):
   ap.add_argument("--modes", nargs="*", default=list(MODES))
   ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB)
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per estimate")
+  ap.add_argument("--compare-permutations", action="store_true",
+                  help="on v6e, also estimate the copy stand-ins of the permutations (permutation_check)")
   args = ap.parse_args(argv)
+  global TIMEOUT
+  TIMEOUT = args.timeout
   if args.job == "one":
     result_tables.print_result(estimate_here, args.config)
   else:
