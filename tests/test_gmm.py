@@ -111,6 +111,16 @@ def test_tables_numpy_and_jax_agree_and_cover_every_row_once(name, tm):
   assert visited_groups == {g for g, s in enumerate(sizes) if s > 0}  # empty groups are never visited
 
 
+def test_static_lookup_runs_reproduce_the_tables():
+  rng = np.random.default_rng(0)
+  for t in range(500):
+    n = int(rng.integers(1, 12))
+    vals = [int(v) for v in (rng.integers(0, 3, n).cumsum() if t % 2 else rng.integers(-3, 3, n))]
+    got = [max((s for s in K._segments(vals) if s[0] <= i), key=lambda s: s[0]) for i in range(n)]
+    assert [a + b * (i - p) for i, (p, a, b) in enumerate(got)] == vals
+  assert len(K._segments(list(range(16)) + [15] * 8)) == 2  # a tile table: one run per slope
+
+
 # --- gmm forward ---------------------------------------------------------------------------
 
 

@@ -66,7 +66,7 @@ GENERATIONS = ("v5e", "v6e")
 KERNEL_VERSION = 1
 
 CASES = {
-    "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048),
+    "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=4096),
     "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408),
 }
 SKEW = [4096, 2048, 1024, 512, 256, 128, 64, 64]
@@ -183,8 +183,9 @@ def _header(description):
 
 # --- tune -------------------------------------------------------------------------------
 
-GMM_CANDIDATES = [(tm, tk, tn) for tm in (256, 512) for tk in (1024, 2048) for tn in (1024, 2048)]
-TGMM_CANDIDATES = [(tm, tk, tn) for tm in (512, 1024) for tk in (512, 1024) for tn in (1024, 2048)]
+GMM_CANDIDATES = [(512, 1024, 1024), (512, 1024, 2048), (512, 2048, 2048), (1024, 1024, 2048), (1024, 512, 4096),
+                  (1024, 1024, 4096), (256, 2048, 2048)]
+TGMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048), (512, 1024, 4096)]
 
 
 def tune(args):
@@ -192,7 +193,7 @@ def tune(args):
   table["description"] = (
       "Default blocks (tm, tk, tn) of kernels.gmm's two kernels per TPU generation. Chosen from compiler "
       "estimates (libtpu's static cost model, floored; estimates, not measurements) of the static-offsets kernel "
-      "(group sizes as compile-time constants) on the E8 case (8192 rows, E=8, k=4096) on a 2048-column slice of "
+      "(group sizes as compile-time constants) on the E8 case (8192 rows, E=8, k=4096) on a 4096-column slice of "
       "n: gmm ranked on balanced + skewed forward us, tgmm ([k, rows] x [rows, n] -> [E, k, n]) on balanced us. "
       "v5p and v4 copy v5e (not swept; v4 has no cost model); kernels.gmm shrinks blocks that do not fit VMEM.")
   defaults = table.setdefault("defaults", {})
