@@ -95,6 +95,9 @@ __all__ = ["GmmBlockSizes", "default_block_sizes", "gmm", "gmm_reference", "gmm_
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# The quantized rhs dtypes the Pallas kernel lowers for, per generation (AOT compiles, see the tests);
+# elsewhere implementation=None runs the XLA reference.
+QUANT_RHS_LOWERS = {gen: ("int8", "float8_e4m3fn", "float8_e5m2") for gen in ("v4", "v5e", "v5p", "v6e")}
 
 
 # ---------------------------------------------------------------------------------
@@ -175,7 +178,8 @@ def _plan(kernel: str, m: int, k: int, n: int, experts: int, blocks: GmmBlockSiz
   explicit = [v is not None for v in (blocks.tm, blocks.tk, blocks.tn)]
   tm = _legal(blocks.tm or d.tm, m, "tm", blocks)
   tk = _legal(blocks.tk or d.tk, k, "tk", blocks)
-  tn = _legal(blocks.tn or d.tn, n, "tn", blocks)
+  # A default tn within 1.5x of n becomes n: one n-tile reads lhs once instead of twice.
+  tn = _legal(blocks.tn or (n if n <= 1.5 * d.tn else d.tn), n, "tn", blocks)
   c = get_chip(chip or "v5e")
 
   def need(tm, tk, tn):
@@ -380,6 +384,10 @@ def _check_kernel_dtypes(p: _Problem):
 
 def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, *, p: _Problem, blocks, static_sizes, interpret):
   _check_kernel_dtypes(p)
+  chip = target_chip()
+  if p.quantized and not interpret and chip is not None and p.rhs_dtype.name not in QUANT_RHS_LOWERS[chip.name]:
+    raise NotImplementedError(f"{p.rhs_dtype.name} rhs does not lower on TPU {chip.name} (Mosaic cannot convert it "
+                              f"there); supported: {', '.join(QUANT_RHS_LOWERS[chip.name]) or 'none'}")
   run = functools.partial(_run_gmm, blocks=blocks, static_sizes=static_sizes, interpret=interpret)
   if p.quantized:  # not differentiable
     return run(lhs, rhs, group_sizes, rhs_scale, transpose_rhs=p.transpose_rhs, out_dtype=p.out_dtype)

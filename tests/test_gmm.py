@@ -349,6 +349,12 @@ m, k, n, e = 65536, 2048, 1408, 64
 comp = kernels.compile_for_tpu(fwd_bwd(), sds((m, k), bf16), sds((e, k, n), bf16), sds((e,), i32),
                                sds((m, n), bf16), generation=gen)
 assert comp.hlo.count("tpu_custom_call") == 3
+# Quantized rhs (converted to bf16 in VMEM) where Mosaic lowers it, else the XLA fallback.
+for q in (jnp.int8, jnp.float8_e4m3fn):
+  comp = kernels.compile_for_tpu(lambda a, b, g, s: kernels.gmm(a, b, g, rhs_scale=s), sds((300, 256), bf16),
+                                 sds((4, 256, 384), q), sds((4,), i32), sds((4, 384), jnp.float32), generation=gen)
+  want = 1 if jnp.dtype(q).name in gm.QUANT_RHS_LOWERS[gen] else 0
+  assert comp.hlo.count("tpu_custom_call") == want, (gen, q)
 print("ok")
 """
 
