@@ -124,8 +124,8 @@ def test_static_lookup_runs_reproduce_the_tables():
 # --- gmm forward ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(SIZES))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,dtype", [(n, jnp.float32) for n in SIZES]
+                         + [(n, jnp.bfloat16) for n in ("balanced", "skewed", "empty")])
 def test_gmm_matches_oracle_and_ragged_dot(name, dtype):
   sizes = SIZES[name]
   lhs, rhs = rand((M, KD), dtype, 1), rand((4, KD, N), dtype, 2)
@@ -175,7 +175,7 @@ def test_traced_group_sizes_under_jit():
     assert_close(f(lhs, rhs, jnp.asarray(sizes, jnp.int32)), oracle_gmm(lhs, rhs, sizes), jnp.float32)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(sizes=st.lists(st.integers(0, 90), min_size=1, max_size=6), extra=st.integers(0, 40),
        k=st.sampled_from([128, 160, 256]), n=st.sampled_from([128, 200]), bf16=st.booleans(),
        tm=st.sampled_from([128, 256]))
@@ -189,8 +189,7 @@ def test_hypothesis_skewed_and_empty_groups(sizes, extra, k, n, bf16, tm):
   assert_close(call_tgmm(lt, rt, sizes, block_sizes=(tm, 128, 128)), oracle_tgmm(lt, rt, sizes), dtype)
 
 
-@pytest.mark.parametrize("qdtype", [jnp.int8, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("qdtype,transpose_rhs", [(jnp.int8, False), (jnp.float8_e4m3fn, True)])
 def test_quantized_rhs_with_per_channel_scales(qdtype, transpose_rhs):
   sizes = SIZES["short"]
   lhs = rand((M, KD), jnp.bfloat16, 26)
@@ -210,8 +209,8 @@ def test_quantized_rhs_with_per_channel_scales(qdtype, transpose_rhs):
 # --- tgmm ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["balanced", "skewed", "empty", "short", "none"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,dtype", [(n, jnp.float32) for n in ("balanced", "skewed", "empty", "short", "none")]
+                         + [(n, jnp.bfloat16) for n in ("skewed", "empty")])
 def test_tgmm_matches_oracle_and_reference(name, dtype):
   sizes = SIZES[name]
   lhs, rhs = rand((KD, M), dtype, 17), rand((M, N), dtype, 18)
