@@ -27,9 +27,12 @@ the index maps and the kernel read them.
 *gmm.* Grid ``(n tiles, visits, k tiles)``, semantics (parallel, arbitrary,
 arbitrary). Step ``(j, v, kk)`` multiplies the lhs block ``(tile(v), kk)`` by the rhs
 block ``(group(v), kk, j)`` into an f32 VMEM accumulator ``[tm, tn]`` (K innermost: the
-first step writes it, later ones add; one K block needs no accumulator). At the last K
-step the visit writes its rows of the output block: all of them (a plain store) when
-the group covers the tile, else a select on the rows in ``[start, end)`` of its group,
+first step writes it, later ones add). A visit whose group does not cover the tile
+multiplies only the 128-row sub-tiles its group intersects (one smaller dot each), so a
+tile shared by several small groups costs about one tile of MXU work in all, though
+each group's rhs block is still fetched. At the last K step the visit writes its rows
+of the output block: all of them (a plain store) when the group covers the tile, else
+a select on the rows in ``[start, end)`` of its group,
 keeping the rows other visits of the same tile wrote (they are consecutive visits, so
 the output block stays in VMEM between them and goes to HBM once). The rows past the
 sum of the group sizes form one more "group" whose visits write zeros and read
