@@ -136,8 +136,9 @@ class Tables:
   """Reads the visit tables and offsets inside the kernel and its index maps.
 
   Dynamic: the tables are one scalar-prefetched int32 array (``prefetch``) and a lookup is
-  ``ref[base + i]``. Static: ``values`` holds them as NumPy arrays and a lookup is a step
-  function of ``i`` over Python constants (a sum of ``(i >= change point) * jump``).
+  ``ref[base + i]``. Static: ``values`` holds them as Python ints and a lookup is a
+  piecewise-linear function of ``i`` over Python constants (a chain of selects, one per
+  run of constant slope: tile indices mostly step by one, groups stay constant).
   """
   names: tuple[str, ...]
   lengths: tuple[int, ...]
@@ -162,12 +163,25 @@ class Tables:
     k = self.names.index(name)
     if not self.static:
       return refs[0][sum(self.lengths[:k]) + i]
-    vals = self.values[k]
-    out = jnp.int32(vals[0])
-    for j in range(1, len(vals)):
-      if vals[j] != vals[j - 1]:
-        out = out + jnp.where(i >= j, jnp.int32(vals[j] - vals[j - 1]), jnp.int32(0))
+    out = None
+    for p, a, b in _segments(self.values[k]):  # piecewise linear: a + b * (i - p) from i = p on
+      seg = jnp.int32(a) if b == 0 else jnp.int32(a - b * p) + jnp.int32(b) * i
+      out = seg if out is None else jnp.where(i >= p, seg, out)
     return out
+
+
+def _segments(vals) -> list[tuple[int, int, int]]:
+  """``vals`` as runs ``(start, value at start, slope)`` of a constant integer slope, greedily
+  longest first: the few scalar ops a static lookup costs (a selects chain, one per run)."""
+  out, j, n = [], 0, len(vals)
+  while j < n:
+    slope = vals[j + 1] - vals[j] if j + 1 < n else 0
+    e = j + 1
+    while e < n and vals[e] - vals[e - 1] == slope:
+      e += 1
+    out.append((j, vals[j], slope))
+    j = e
+  return out
 
 
 # ---------------------------------------------------------------------------------

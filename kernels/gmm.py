@@ -27,9 +27,12 @@ the index maps and the kernel read them.
 *gmm.* Grid ``(n tiles, visits, k tiles)``, semantics (parallel, arbitrary,
 arbitrary). Step ``(j, v, kk)`` multiplies the lhs block ``(tile(v), kk)`` by the rhs
 block ``(group(v), kk, j)`` into an f32 VMEM accumulator ``[tm, tn]`` (K innermost: the
-first step writes it, later ones add; one K block needs no accumulator). At the last K
-step the visit writes its rows of the output block: all of them (a plain store) when
-the group covers the tile, else a select on the rows in ``[start, end)`` of its group,
+first step writes it, later ones add). A visit whose group does not cover the tile
+multiplies only the 128-row sub-tiles its group intersects (one smaller dot each), so a
+tile shared by several small groups costs about one tile of MXU work in all, though
+each group's rhs block is still fetched. At the last K step the visit writes its rows
+of the output block: all of them (a plain store) when the group covers the tile, else
+a select on the rows in ``[start, end)`` of its group,
 keeping the rows other visits of the same tile wrote (they are consecutive visits, so
 the output block stays in VMEM between them and goes to HBM once). The rows past the
 sum of the group sizes form one more "group" whose visits write zeros and read
@@ -95,6 +98,9 @@ __all__ = ["GmmBlockSizes", "default_block_sizes", "gmm", "gmm_reference", "gmm_
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# The quantized rhs dtypes the Pallas kernel lowers for, per generation (AOT compiles, see the tests);
+# elsewhere implementation=None runs the XLA reference.
+QUANT_RHS_LOWERS = {gen: ("int8", "float8_e4m3fn", "float8_e5m2") for gen in ("v4", "v5e", "v5p", "v6e")}
 
 
 # ---------------------------------------------------------------------------------
@@ -175,7 +181,8 @@ def _plan(kernel: str, m: int, k: int, n: int, experts: int, blocks: GmmBlockSiz
   explicit = [v is not None for v in (blocks.tm, blocks.tk, blocks.tn)]
   tm = _legal(blocks.tm or d.tm, m, "tm", blocks)
   tk = _legal(blocks.tk or d.tk, k, "tk", blocks)
-  tn = _legal(blocks.tn or d.tn, n, "tn", blocks)
+  # A default tn within 1.5x of n becomes n: one n-tile reads lhs once instead of twice.
+  tn = _legal(blocks.tn or (n if n <= 1.5 * d.tn else d.tn), n, "tn", blocks)
   c = get_chip(chip or "v5e")
 
   def need(tm, tk, tn):
@@ -380,6 +387,10 @@ def _check_kernel_dtypes(p: _Problem):
 
 def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, *, p: _Problem, blocks, static_sizes, interpret):
   _check_kernel_dtypes(p)
+  chip = target_chip()
+  if p.quantized and not interpret and chip is not None and p.rhs_dtype.name not in QUANT_RHS_LOWERS[chip.name]:
+    raise NotImplementedError(f"{p.rhs_dtype.name} rhs does not lower on TPU {chip.name} (Mosaic cannot convert it "
+                              f"there); supported: {', '.join(QUANT_RHS_LOWERS[chip.name]) or 'none'}")
   run = functools.partial(_run_gmm, blocks=blocks, static_sizes=static_sizes, interpret=interpret)
   if p.quantized:  # not differentiable
     return run(lhs, rhs, group_sizes, rhs_scale, transpose_rhs=p.transpose_rhs, out_dtype=p.out_dtype)

@@ -26,8 +26,8 @@ combine einsums are not included).
 (1024 each), ``skewed`` ([4096, 2048, 1024, 512, 256, 128, 64, 64]) and ``empty`` (2048 in
 every other group, 0 in the rest). ``E64``: 8192 tokens x top-8 = 65536 rows, E=64,
 k=2048, n=1408, balanced. A full-size E8 program needs more memory than this machine can
-give the cost model, so E8 is estimated on a slice of n (``n_slice`` columns; the n tiles
-are independent grid steps) and ``us`` is scaled by ``n / n_slice`` (``scaled_by``); the
+give the cost model, so E8 is estimated on a slice of n (``n_slice`` columns: 2048 forward,
+1024 forward + backward; the n tiles are independent grid steps) and ``us`` is scaled by ``n / n_slice`` (``scaled_by``); the
 slice's own numbers are under ``slice``. The roofline (``fraction_of_roofline``) is on the
 FLOPs actually needed, ``2 * rows * k * n`` (x3 with the backward), and the compulsory
 bytes (each operand read once, each result written once).
@@ -48,6 +48,7 @@ import math
 import os
 import platform
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,8 +67,8 @@ GENERATIONS = ("v5e", "v6e")
 KERNEL_VERSION = 1
 
 CASES = {
-    "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048),
-    "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408),
+    "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048, n_slice_fwdbwd=1024),
+    "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408, n_slice_fwdbwd=1408),
 }
 SKEW = [4096, 2048, 1024, 512, 256, 128, 64, 64]
 MEGABLOX_TILINGS = {"megablox_default": (128, 128, 128), "megablox_large": (512, 1024, 1024)}
@@ -107,10 +108,15 @@ def capacity(case: str) -> int:
   return int(math.ceil(CAPACITY * c["rows"] / c["experts"] / 8) * 8)
 
 
+def _n(cfg) -> int:
+  c = CASES[cfg["case"]]
+  return cfg.get("n") or (c["n_slice"] if cfg["mode"] == "fwd" else c["n_slice_fwdbwd"])
+
+
 def _program(cfg):
   c = CASES[cfg["case"]]
   m, k, e = c["rows"], c["k"], c["experts"]
-  n = cfg.get("n") or c["n_slice"]
+  n = _n(cfg)
   bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
   gs = group_sizes(cfg["case"], cfg["groups"])
   impl = cfg["impl"]
@@ -155,8 +161,7 @@ def method(impl: str) -> str:
 
 def estimate(cfg) -> dict:
   fn, args = _program(cfg)
-  c = CASES[cfg["case"]]
-  n = cfg.get("n") or c["n_slice"]
+  n = _n(cfg)
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(cfg["case"], cfg["mode"], n),
                            bytes_accessed=bytes_needed(cfg["case"], cfg["mode"], n))
   r = e.record()
@@ -164,10 +169,34 @@ def estimate(cfg) -> dict:
   return r
 
 
+MAX_RSS_GB = 7.5
+
+
+def run_guarded(cfg) -> dict:
+  """The ``one`` job in a child process, stopped if its resident memory passes MAX_RSS_GB (the shared
+  machine's limit for one job)."""
+  import subprocess  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  peak = 0.0
+  while proc.poll() is None:
+    peak = max(peak, result_tables.rss_gb(proc.pid))
+    if peak > MAX_RSS_GB:
+      proc.kill()
+      proc.wait()
+      return {"error": f"stopped: the estimate passed {MAX_RSS_GB} GB of memory"}
+    time.sleep(0.5)
+  lines = [ln for ln in proc.stdout.read().splitlines() if ln.startswith("{")]
+  r = json.loads(lines[-1]) if lines else {"error": f"exit {proc.returncode}"}
+  r["peak_rss_gb"] = round(peak, 1)
+  return r
+
+
 def estimate_isolated(cfg) -> dict:
-  r = result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
+  r = run_guarded(cfg)
   c = CASES[cfg["case"]]
-  n = cfg.get("n") or c["n_slice"]
+  n = _n(cfg)
   if "us" in r and n != c["n"]:  # scale the slice to the full n
     s = c["n"] / n
     r = {"slice": r, "scaled_by": s, "us": round(r["us"] * s, 2), "model_us": round(r["model_us"] * s, 2),
@@ -183,8 +212,8 @@ def _header(description):
 
 # --- tune -------------------------------------------------------------------------------
 
-GMM_CANDIDATES = [(tm, tk, tn) for tm in (256, 512) for tk in (1024, 2048) for tn in (1024, 2048)]
-TGMM_CANDIDATES = [(tm, tk, tn) for tm in (512, 1024) for tk in (512, 1024) for tn in (1024, 2048)]
+GMM_CANDIDATES = [(512, 1024, 1024), (512, 1024, 2048), (512, 2048, 2048), (1024, 512, 2048), (1024, 1024, 1024)]
+TGMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048)]
 
 
 def tune(args):
@@ -205,7 +234,7 @@ def tune(args):
         for g in groups:
           cfg = dict(generation=gen, impl="ours", case="E8", groups=g, mode="fwd", blocks=list(blocks),
                      kernel=kernel)
-          r = result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
+          r = run_guarded(cfg)
           sweep[(blocks, g)] = r
           print(gen, kernel, blocks, g, r.get("us"), r.get("model_us"), r.get("error", ""), flush=True)
       scores = {b: sum(sweep[(b, g)]["us"] for g in groups) for b in cands
@@ -230,15 +259,17 @@ def tune(args):
 
 # --- bench ------------------------------------------------------------------------------
 
-BENCH = [  # (case, groups, impl, mode)
-    *[("E8", g, "ours", m) for g in ("balanced", "skewed", "empty") for m in ("fwd", "fwdbwd")],
+BENCH = [  # (case, groups, impl, mode), the most needed first
+    *[("E8", g, "ours", "fwd") for g in ("balanced", "skewed", "empty")],
+    ("E8", "balanced", "dense", "fwd"),
+    ("E8", "balanced", "megablox_large", "fwd"), ("E8", "balanced", "megablox_default", "fwd"),
+    ("E8", "balanced", "ours", "fwdbwd"), ("E8", "balanced", "dense", "fwdbwd"),
+    ("E64", "balanced", "ours", "fwd"),
+    ("E8", "balanced", "ragged_dot", "fwd"), ("E8", "skewed", "ours", "fwdbwd"),
+    ("E64", "balanced", "ours", "fwdbwd"), ("E64", "balanced", "dense", "fwd"),
+    ("E64", "balanced", "megablox_large", "fwd"), ("E64", "balanced", "ragged_dot", "fwd"),
+    ("E8", "skewed", "megablox_large", "fwd"), ("E8", "skewed", "ragged_dot", "fwd"),
     ("E8", "balanced", "ours_dynamic", "fwd"),
-    ("E8", "balanced", "dense", "fwd"), ("E8", "balanced", "dense", "fwdbwd"),
-    *[("E8", g, i, "fwd") for g in ("balanced", "skewed") for i in ("ragged_dot", "megablox_default",
-                                                                    "megablox_large")],
-    ("E64", "balanced", "ours", "fwd"), ("E64", "balanced", "ours", "fwdbwd"),
-    ("E64", "balanced", "dense", "fwd"), ("E64", "balanced", "ragged_dot", "fwd"),
-    ("E64", "balanced", "megablox_large", "fwd"),
 ]
 
 
@@ -250,10 +281,13 @@ def bench(args):
                     for k, v in CASES.items()}
   table["capacity_factor"] = CAPACITY
   results = table.setdefault("results", {})
-  for gen in args.generations:
-    for case, groups, impl, mode in BENCH:
+  for case, groups, impl, mode in BENCH:
+    for gen in args.generations:
       if args.impls and impl not in args.impls:
         continue
+      if args.stop_at and time.time() > args.stop_at:
+        print("stopping: --stop-at reached", flush=True)
+        return
       key = f"{gen}/{case}/{groups}/{impl}/{mode}"
       if key in results and "us" in results[key] and not args.force:
         continue
@@ -279,6 +313,7 @@ def main(argv=None):
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--impls", nargs="*", default=None)
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
   args = ap.parse_args(argv)
   if args.job == "one":
     result_tables.print_result(estimate, args.config)
