@@ -174,8 +174,8 @@ def assert_layer_close(y, want, dtype):
 
 @pytest.mark.parametrize("dtype, top_k, capacity_factor, scoring, activation", [
     (jnp.float32, 2, None, "softmax", "silu"), (jnp.float32, 2, 0.6, "softmax", "silu"),
-    (jnp.float32, 1, None, "sigmoid", "gelu"), (jnp.float32, 3, 1.0, "sigmoid", "relu"),
-    (jnp.bfloat16, 2, None, "softmax", "silu"), (jnp.bfloat16, 3, 0.6, "sigmoid", "silu")])
+    (jnp.float32, 3, 1.0, "sigmoid", "gelu"), (jnp.bfloat16, 1, None, "softmax", "relu"),
+    (jnp.bfloat16, 3, 0.6, "sigmoid", "silu")])
 def test_layer_matches_dense_reference(dtype, top_k, capacity_factor, scoring, activation):
   args = layer(dtype=dtype)
   kw = dict(top_k=top_k, capacity_factor=capacity_factor, scoring=scoring, activation=activation)
@@ -226,25 +226,18 @@ def _loss(fn, **kw):
   return loss
 
 
-@pytest.mark.parametrize("top_k, capacity_factor, scoring", [(2, None, "softmax"), (2, 0.6, "sigmoid")])
-def test_gradients_match_dense_reference(top_k, capacity_factor, scoring):
-  args = layer()
+@pytest.mark.parametrize("dtype, top_k, capacity_factor, scoring", [
+    (jnp.float32, 2, None, "softmax"), (jnp.float32, 2, 0.6, "sigmoid"), (jnp.bfloat16, 2, None, "softmax")])
+def test_gradients_match_dense_reference(dtype, top_k, capacity_factor, scoring):
+  args = layer(dtype=dtype)
   kw = dict(top_k=top_k, capacity_factor=capacity_factor, scoring=scoring)
   got = jax.grad(_loss(moe, interpret=True, **kw), argnums=range(5))(*args)
   want = jax.grad(_loss(moe_reference, **kw), argnums=range(5))(*args)
-  for name, g, w in zip(("x", "router_w", "w_gate", "w_up", "w_down"), got, want):
-    assert g.dtype == w.dtype
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4 * float(jnp.abs(w).max()), err_msg=name)
-
-
-def test_bf16_gradients_have_input_dtypes_and_are_close():
-  args = layer(dtype=jnp.bfloat16)
-  got = jax.grad(_loss(moe, top_k=2, interpret=True), argnums=range(5))(*args)
-  want = jax.grad(_loss(moe_reference, top_k=2), argnums=range(5))(*args)
-  for a, g, w in zip(args, got, want):
-    assert g.dtype == a.dtype
+  tol = 1e-4 if dtype == jnp.float32 else 5e-2
+  for name, a, g, w in zip(("x", "router_w", "w_gate", "w_up", "w_down"), args, got, want):
+    assert g.dtype == a.dtype, name
     w = np.asarray(w, np.float32)
-    assert np.abs(np.asarray(g, np.float32) - w).max() <= 5e-2 * np.abs(w).max()
+    assert np.abs(np.asarray(g, np.float32) - w).max() <= tol * np.abs(w).max(), name
 
 
 def test_permutation_vjps_are_gathers():
