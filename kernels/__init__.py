@@ -16,6 +16,8 @@ from kernels.rope import BlockSizes as RopeBlockSizes, RopeScaling, rope, rope_r
 from kernels.ssd import (BlockSizes as SsdBlockSizes, gated_linear_attention, gated_linear_attention_reference,
                          ssd, ssd_chunked_xla, ssd_reference)
 from kernels.parallel_scan import parallel_scan, parallel_scan_reference  # (the names shadow the module: see it)
+from kernels.gmm import GmmBlockSizes, gmm, gmm_reference, tgmm, tgmm_reference
+from kernels.moe import Routing, expert_capacity, moe, moe_reference, route
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
@@ -32,6 +34,8 @@ __all__ = [
     "SsdBlockSizes", "gated_linear_attention", "gated_linear_attention_reference", "ssd", "ssd_chunked_xla",
     "ssd_reference",
     "parallel_scan", "parallel_scan_reference",
+    "GmmBlockSizes", "gmm", "gmm_reference", "tgmm", "tgmm_reference",
+    "Routing", "expert_capacity", "moe", "moe_reference", "route",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",

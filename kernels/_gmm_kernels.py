@@ -1,0 +1,481 @@
+"""The grouped-matmul Pallas kernels behind :func:`kernels.gmm` and :func:`kernels.tgmm`.
+
+Group metadata (the visit tables), the two kernel bodies and their ``pallas_call``s. The
+public module :mod:`kernels.gmm` explains the design; this one is its mechanics.
+
+*Visit tables.* The rows (tokens) are cut into m-tiles of ``tm`` rows. A *visit* is one
+(m-tile, group) pair whose rows intersect; the grid's visit axis walks them in row order,
+so a tile straddling a group boundary is visited once per group it holds. Its length is
+static: ``m_tiles + E`` (an upper bound; see :func:`visit_count`), and the visits past the
+real ones are *padding*: they repeat the last visit's blocks (Pallas skips a DMA whose block
+index did not change) and do nothing.
+
+The tables are int32 arrays, computed by :func:`gmm_tables` / :func:`tgmm_tables` either
+with ``jax.numpy`` from a traced ``group_sizes`` (they are then scalar-prefetched into SMEM
+and read with ``ref[i]``) or with NumPy from concrete sizes: then :class:`Tables` turns each
+one into a step function of its index built from Python constants, so the same kernel body
+and index maps run with compile-time offsets (the estimation method: libtpu's cost model
+reads scalar-prefetched values as 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import tiling
+
+# ---------------------------------------------------------------------------------
+# Visit tables
+# ---------------------------------------------------------------------------------
+
+# gmm tables, each of length V (the visit axis): the output m-tile, the group (E = no compute:
+# the rows past the sum of group sizes, and padding), and the m-tile and group whose lhs/rhs
+# blocks the visit's index maps name (a no-compute visit names the last computing visit's, so
+# nothing is fetched).
+GMM_TABLES = ("tile", "group", "data_tile", "data_group")
+# tgmm tables: the m-tile read, the group written, and flags (FIRST: the group's first visit,
+# LAST: its last, COMPUTE: the visit adds a product; an empty group has one visit, FIRST|LAST).
+TGMM_TABLES = ("tile", "group", "flags")
+FIRST, LAST, COMPUTE = 1, 2, 4
+
+
+def visit_count(m: int, tm: int, experts: int) -> int:
+  """The static length of the visit axis: at most one visit per m-tile, plus one per boundary
+  between non-empty groups inside a tile (E - 1 of them with the tail after the groups' sum,
+  or one per empty group in tgmm), rounded up to ``m_tiles + E``."""
+  return tiling.cdiv(m, tm) + experts
+
+
+def _offsets(xp, group_sizes, m: int):
+  """[E + 1] group starts and the end, clipped to [0, m] (negative sizes count as 0)."""
+  gs = xp.maximum(group_sizes.astype(xp.int32), 0)
+  ends = xp.minimum(xp.cumsum(gs), m).astype(xp.int32)
+  return xp.concatenate([xp.zeros((1,), xp.int32), ends])
+
+
+def _visits(xp, starts, ends, tm: int, visit_empty: bool):
+  """Per group: its number of visits and first tile."""
+  nonempty = ends > starts
+  first = starts // tm
+  last = xp.maximum(ends - 1, 0) // tm
+  count = xp.where(nonempty, last - first + 1, 1 if visit_empty else 0)
+  return count.astype(xp.int32), first.astype(xp.int32)
+
+
+def _locate(xp, count, v):
+  """For visit indices ``v``: the group each falls in and its index within the group's visits."""
+  cum = xp.cumsum(count)
+  g = xp.searchsorted(cum, v, side="right").astype(xp.int32)
+  g_c = xp.minimum(g, count.shape[0] - 1)
+  before = (cum - count)[g_c]
+  return g, g_c, (v - before).astype(xp.int32), cum[-1]
+
+
+def gmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
+  """gmm's visit tables (``xp``: ``jnp`` for traced sizes, ``np`` for concrete ones) and the
+  ``offsets`` [E + 2]: group starts, the start of the tail (rows past the sum) and ``m``."""
+  experts = group_sizes.shape[0]
+  v_len = visit_count(m, tm, experts)
+  off = _offsets(xp, group_sizes, m)
+  offsets = xp.concatenate([off, xp.full((1,), m, xp.int32)])  # the tail is group E: [sum, m)
+  count, first = _visits(xp, offsets[:-1], offsets[1:], tm, visit_empty=False)
+  v = xp.arange(v_len, dtype=xp.int32)
+  g, g_c, within, total = _locate(xp, count, v)
+  real = v < total
+  tile = first[g_c] + within
+  last_v = xp.maximum(total - 1, 0)
+  tile = xp.where(real, tile, tile[last_v])  # (the tail is a group: at least one real visit)
+  group = xp.where(real, g_c, experts).astype(xp.int32)
+  compute = group < experts
+  # The last computing visit at or before each visit (its blocks stay in VMEM); 0 before any.
+  idx = xp.where(compute, v, -1)
+  last_c = _cummax(xp, idx)
+  data_tile = xp.where(last_c >= 0, tile[xp.maximum(last_c, 0)], 0).astype(xp.int32)
+  data_group = xp.where(last_c >= 0, group[xp.maximum(last_c, 0)], 0).astype(xp.int32)
+  return dict(tile=tile.astype(xp.int32), group=group, data_tile=data_tile, data_group=data_group,
+              offsets=offsets.astype(xp.int32))
+
+
+def tgmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
+  """tgmm's visit tables and ``offsets`` [E + 1] (group starts and the sum)."""
+  experts = group_sizes.shape[0]
+  v_len = visit_count(m, tm, experts)
+  off = _offsets(xp, group_sizes, m)
+  starts, ends = off[:-1], off[1:]
+  count, first = _visits(xp, starts, ends, tm, visit_empty=True)
+  v = xp.arange(v_len, dtype=xp.int32)
+  g, g_c, within, total = _locate(xp, count, v)
+  real = v < total
+  nonempty = (ends > starts)[g_c]
+  compute = real & nonempty
+  tile_raw = first[g_c] + within
+  # Empty groups' visits and padding read the blocks of the last computing visit (no DMA).
+  idx = xp.where(compute, v, -1)
+  last_c = _cummax(xp, idx)
+  tile = xp.where(last_c >= 0, tile_raw[xp.maximum(last_c, 0)], 0)
+  flags = (xp.where(real & (within == 0), FIRST, 0) | xp.where(real & (within == count[g_c] - 1), LAST, 0)
+           | xp.where(compute, COMPUTE, 0))
+  group = xp.where(real, g_c, experts - 1)
+  return dict(tile=tile.astype(xp.int32), group=group.astype(xp.int32), flags=flags.astype(xp.int32),
+              offsets=off.astype(xp.int32))
+
+
+def _cummax(xp, x):
+  return np.maximum.accumulate(x) if xp is np else lax.cummax(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """Reads the visit tables and offsets inside the kernel and its index maps.
+
+  Dynamic: the tables are one scalar-prefetched int32 array (``prefetch``) and a lookup is
+  ``ref[base + i]``. Static: ``values`` holds them as Python ints and a lookup is a
+  piecewise-linear function of ``i`` over Python constants (a chain of selects, one per
+  run of constant slope: tile indices mostly step by one, groups stay constant).
+  """
+  names: tuple[str, ...]
+  lengths: tuple[int, ...]
+  values: tuple[tuple[int, ...], ...] | None = None  # static mode
+
+  @staticmethod
+  def build(tables: dict, names: tuple[str, ...], static: bool):
+    """(Tables, the flat array to prefetch or None)."""
+    names = names + ("offsets",)
+    arrays = [tables[n] for n in names]
+    lengths = tuple(int(a.shape[0]) for a in arrays)
+    if static:
+      return Tables(names, lengths, tuple(tuple(int(x) for x in np.asarray(a)) for a in arrays)), None
+    return Tables(names, lengths), jnp.concatenate(arrays)
+
+  @property
+  def static(self) -> bool:
+    return self.values is not None
+
+  def get(self, refs, name: str, i):
+    """The entry ``i`` (a traced int32 scalar) of table ``name``; ``refs``: the prefetch refs."""
+    k = self.names.index(name)
+    if not self.static:
+      return refs[0][sum(self.lengths[:k]) + i]
+    out = None
+    for p, a, b in _segments(self.values[k]):  # piecewise linear: a + b * (i - p) from i = p on
+      seg = jnp.int32(a) if b == 0 else jnp.int32(a - b * p) + jnp.int32(b) * i
+      out = seg if out is None else jnp.where(i >= p, seg, out)
+    return out
+
+
+def _segments(vals) -> list[tuple[int, int, int]]:
+  """``vals`` as runs ``(start, value at start, slope)`` of a constant integer slope, greedily
+  longest first: the few scalar ops a static lookup costs (a selects chain, one per run)."""
+  out, j, n = [], 0, len(vals)
+  while j < n:
+    slope = vals[j + 1] - vals[j] if j + 1 < n else 0
+    e = j + 1
+    while e < n and vals[e] - vals[e - 1] == slope:
+      e += 1
+    out.append((j, vals[j], slope))
+    j = e
+  return out
+
+
+# ---------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The blocks of one call (each already legal for its array) and the grid's sizes."""
+  tm: int
+  tk: int
+  tn: int
+  m: int
+  k: int
+  n: int
+  experts: int
+
+  @property
+  def m_tiles(self):
+    return tiling.cdiv(self.m, self.tm)
+
+  @property
+  def k_tiles(self):
+    return tiling.cdiv(self.k, self.tk)
+
+  @property
+  def n_tiles(self):
+    return tiling.cdiv(self.n, self.tn)
+
+  @property
+  def visits(self):
+    return visit_count(self.m, self.tm, self.experts)
+
+
+def _zero_tail(x, axis: int, valid: int):
+  """``x`` with the entries at index >= ``valid`` along ``axis`` set to 0 (stale VMEM past K)."""
+  if valid >= x.shape[axis]:
+    return x
+  keep = lax.broadcasted_iota(jnp.int32, x.shape, axis) < valid
+  wide = jnp.int32 if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype.itemsize == 1 else jnp.float32
+  if x.dtype.itemsize == 1 and not jnp.issubdtype(x.dtype, jnp.integer):  # fp8: select on its bits
+    bits = lax.bitcast_convert_type(x, jnp.int8).astype(jnp.int32)
+    return lax.bitcast_convert_type(jnp.where(keep, bits, 0).astype(jnp.int8), x.dtype)
+  return jnp.where(keep, x.astype(wide), 0).astype(x.dtype)
+
+
+def _operand(x, compute_dtype):
+  """A tile as the MXU takes it: quantized rhs tiles are converted to the lhs dtype."""
+  return x if x.dtype == compute_dtype else x.astype(compute_dtype)
+
+
+# ---------------------------------------------------------------------------------
+# gmm: out[rows of g] = lhs[rows of g] @ rhs[g]
+# ---------------------------------------------------------------------------------
+
+
+SUB_ROWS = 128  # rows per sub-tile of a straddled tile (see _gmm_kernel)
+
+
+def _sub_rows(tm: int) -> int:
+  return SUB_ROWS if tm > SUB_ROWS and tm % SUB_ROWS == 0 else tm
+
+
+def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scale: bool):
+  """One (n-tile, visit, K block) step.
+
+  A visit whose group covers its m-tile multiplies the whole tile. A visit of a tile that
+  straddles group boundaries multiplies only the 128-row sub-tiles its group intersects
+  (each its own MXU dot into its rows of the accumulator), so a tile shared by several
+  small groups costs about one tile of MXU work, not one per group; its write is masked
+  to the group's rows.
+  """
+  n_pref = 0 if tables.static else 1
+  pref = refs[:n_pref]
+  lhs_ref, rhs_ref = refs[n_pref], refs[n_pref + 1]
+  rest = refs[n_pref + 2:]
+  scale_ref = rest[0] if has_scale else None
+  rest = rest[1:] if has_scale else rest
+  o_ref = rest[0]
+  acc_ref = rest[1] if len(rest) > 1 else None
+  v, kk = pl.program_id(1), pl.program_id(2)
+  nk = plan.k_tiles
+  g = tables.get(pref, "group", v)
+  tile = tables.get(pref, "tile", v)
+  compute = g < plan.experts
+  start = tables.get(pref, "offsets", g)
+  end = tables.get(pref, "offsets", g + 1)
+  row0 = tile * plan.tm
+  full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
+  k_valid = plan.k - (nk - 1) * plan.tk
+  sub = _sub_rows(plan.tm)
+
+  def product(x, last: bool):
+    y = rhs_ref[...]
+    if last and k_valid < plan.tk:
+      x = _zero_tail(x, 1, k_valid)
+      y = _zero_tail(y, 1 if transpose_rhs else 0, k_valid)
+    y = _operand(y, x.dtype)
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+
+  def scaled(val):
+    return val * scale_ref[...] if has_scale else val
+
+  def masked_store(val):
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (plan.tm, 1), 0)
+    mask = jnp.logical_and(rows >= start, rows < end)
+    o_ref[...] = jnp.where(mask, val, o_ref[...])
+
+  def full_step(first: bool, last: bool):
+    p = product(lhs_ref[...], last)
+    if last:
+      o_ref[...] = scaled(p if first else acc_ref[...] + p).astype(o_ref.dtype)
+    elif first:
+      acc_ref[...] = p
+    else:
+      acc_ref[...] += p
+
+  def partial_step(first: bool, last: bool):
+    for s in range(plan.tm // sub):
+      lo = row0 + s * sub
+
+      @pl.when(jnp.logical_and(lo < end, lo + sub > start))
+      def _():
+        p = product(lhs_ref[pl.ds(s * sub, sub), :], last)
+        if first:
+          acc_ref[pl.ds(s * sub, sub), :] = p
+        else:
+          acc_ref[pl.ds(s * sub, sub), :] += p
+    if last:
+      masked_store(scaled(acc_ref[...]).astype(o_ref.dtype))
+
+  steps = [(kk == 0, True, nk == 1)] if nk == 1 else [
+      (kk == 0, True, False), (jnp.logical_and(kk > 0, kk < nk - 1), False, False), (kk == nk - 1, False, True)]
+  for when, first, last in steps:
+    pl.when(jnp.logical_and(compute, jnp.logical_and(when, full)))(functools.partial(full_step, first, last))
+    pl.when(jnp.logical_and(compute, jnp.logical_and(when, jnp.logical_not(full))))(
+        functools.partial(partial_step, first, last))
+
+  @pl.when(jnp.logical_and(jnp.logical_not(compute), kk == nk - 1))
+  def _():  # rows of the tail (past the groups' sum)
+    masked_store(jnp.zeros((plan.tm, plan.tn), o_ref.dtype))
+
+
+def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: bool, out_dtype, static: bool,
+             interpret, vmem_limit):
+  """One pallas_call of the gmm kernel: ``lhs`` [m, k], ``rhs`` [E, k, n] (or [E, n, k]),
+  ``rhs_scale`` None or f32 [E, 1, n]; ``tables_dict`` from :func:`gmm_tables`."""
+  tables, flat = Tables.build(tables_dict, GMM_TABLES, static)
+  tm, tk, tn, nk = plan.tm, plan.tk, plan.tn, plan.k_tiles
+  pref_n = 0 if static else 1
+
+  def ids(args):
+    j, v, kk = args[:3]
+    pref = args[3:3 + pref_n]
+    return j, v, kk, pref
+
+  def k_of(kk, g):  # a no-compute visit stays on the last K block (no DMA)
+    return jnp.where(g < plan.experts, kk, nk - 1)
+
+  def lhs_map(*args):
+    j, v, kk, pref = ids(args)
+    return tables.get(pref, "data_tile", v), k_of(kk, tables.get(pref, "group", v))
+
+  def rhs_map(*args):
+    j, v, kk, pref = ids(args)
+    kb = k_of(kk, tables.get(pref, "group", v))
+    g = tables.get(pref, "data_group", v)
+    return (g, j, kb) if transpose_rhs else (g, kb, j)
+
+  def scale_map(*args):
+    j, v, kk, pref = ids(args)
+    return tables.get(pref, "data_group", v), 0, j
+
+  def out_map(*args):
+    j, v, kk, pref = ids(args)
+    return tables.get(pref, "tile", v), j
+
+  sq = pl.squeezed
+  in_specs = [pl.BlockSpec((tm, tk), lhs_map),
+              pl.BlockSpec((sq, tn, tk) if transpose_rhs else (sq, tk, tn), rhs_map)]
+  args = [lhs, rhs]
+  if rhs_scale is not None:
+    in_specs.append(pl.BlockSpec((sq, 1, tn), scale_map))
+    args.append(rhs_scale)
+  grid = (plan.n_tiles, plan.visits, nk)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs, out_specs=pl.BlockSpec((tm, tn), out_map),
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
+  flops = 2 * plan.m * plan.k * plan.n
+  nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize
+            + plan.m * plan.n * jnp.dtype(out_dtype).itemsize)
+  call = pl.pallas_call(
+      functools.partial(_gmm_kernel, tables=tables, plan=plan, transpose_rhs=transpose_rhs,
+                        has_scale=rhs_scale is not None),
+      grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((plan.m, plan.n), out_dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                           vmem_limit_bytes=vmem_limit),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=int(nbytes)),
+      interpret=interpret, name="gmm")
+  return call(*([flat] if flat is not None else []), *args)
+
+
+# ---------------------------------------------------------------------------------
+# tgmm: out[g] = lhs[:, rows of g] @ rhs[rows of g]
+# ---------------------------------------------------------------------------------
+
+
+def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
+  n_pref = 0 if tables.static else 1
+  pref = refs[:n_pref]
+  lhs_ref, rhs_ref, o_ref, acc_ref = refs[n_pref:n_pref + 4]
+  v = pl.program_id(2)
+  g = tables.get(pref, "group", v)
+  tile = tables.get(pref, "tile", v)
+  flags = tables.get(pref, "flags", v)
+  first = (flags & FIRST) != 0
+  last = (flags & LAST) != 0
+  compute = (flags & COMPUTE) != 0
+  start = tables.get(pref, "offsets", g)
+  end = tables.get(pref, "offsets", g + 1)
+  row0 = tile * plan.tm
+  full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
+
+  def product(masked: bool):
+    x, y = lhs_ref[...], rhs_ref[...]
+    if masked:  # only the group's rows (the rest is other groups' or stale VMEM)
+      rows_y = row0 + lax.broadcasted_iota(jnp.int32, (plan.tm, 1), 0)
+      keep_y = jnp.logical_and(rows_y >= start, rows_y < end)
+      y = jnp.where(keep_y, y, jnp.zeros((), y.dtype))
+      if lhs_tokens_major:
+        x = jnp.where(keep_y, x, jnp.zeros((), x.dtype))
+      else:
+        cols = row0 + lax.broadcasted_iota(jnp.int32, (1, plan.tm), 1)
+        x = jnp.where(jnp.logical_and(cols >= start, cols < end), x, jnp.zeros((), x.dtype))
+    dims = (((0,), (0,)), ((), ())) if lhs_tokens_major else (((1,), (0,)), ((), ()))
+    return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+
+  @pl.when(first)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  @pl.when(jnp.logical_and(compute, full))
+  def _():
+    acc_ref[...] += product(False)
+
+  @pl.when(jnp.logical_and(compute, jnp.logical_not(full)))
+  def _():
+    acc_ref[...] += product(True)
+
+  @pl.when(last)
+  def _():
+    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_dtype, static: bool, interpret,
+              vmem_limit):
+  """One pallas_call of the tgmm kernel: ``lhs`` [k, m] (or [m, k] with ``lhs_tokens_major``),
+  ``rhs`` [m, n]; the result [E, k, n]. Grid (k tiles, n tiles, visits)."""
+  tables, flat = Tables.build(tables_dict, TGMM_TABLES, static)
+  tm, tk, tn = plan.tm, plan.tk, plan.tn
+  pref_n = 0 if static else 1
+
+  def ids(args):
+    return args[0], args[1], args[2], args[3:3 + pref_n]
+
+  def lhs_map(*args):
+    i, j, v, pref = ids(args)
+    t = tables.get(pref, "tile", v)
+    return (t, i) if lhs_tokens_major else (i, t)
+
+  def rhs_map(*args):
+    i, j, v, pref = ids(args)
+    return tables.get(pref, "tile", v), j
+
+  def out_map(*args):
+    i, j, v, pref = ids(args)
+    return tables.get(pref, "group", v), i, j
+
+  sq = pl.squeezed
+  in_specs = [pl.BlockSpec((tm, tk) if lhs_tokens_major else (tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
+  grid = (plan.k_tiles, plan.n_tiles, plan.visits)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs,
+      out_specs=pl.BlockSpec((sq, tk, tn), out_map), scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)])
+  flops = 2 * plan.m * plan.k * plan.n
+  nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize * plan.k_tiles
+            + plan.experts * plan.k * plan.n * jnp.dtype(out_dtype).itemsize)
+  call = pl.pallas_call(
+      functools.partial(_tgmm_kernel, tables=tables, plan=plan, lhs_tokens_major=lhs_tokens_major),
+      grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((plan.experts, plan.k, plan.n), out_dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                           vmem_limit_bytes=vmem_limit),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=int(nbytes)),
+      interpret=interpret, name="tgmm")
+  return call(*([flat] if flat is not None else []), lhs, rhs)

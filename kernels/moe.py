@@ -1,0 +1,370 @@
+"""Mixture-of-experts routing and a whole SwiGLU MoE feed-forward layer on the grouped matmul.
+
+``route(x, router_w, top_k=...)`` scores every token against every expert, picks each
+token's ``top_k`` experts and returns a :class:`Routing`: the expert ids and combine
+weights per token, the assignments sorted by expert with the group sizes, which
+assignments a capacity dropped, and the auxiliary losses. ``moe(x, router_w, w_gate,
+w_up, w_down, top_k=...)`` is the whole layer on :func:`kernels.gmm.gmm`;
+:func:`moe_reference` is the same layer run densely (every expert on every token, then
+masked), the oracle of the tests.
+
+How routing works
+-----------------
+
+*Scores.* ``logits = x @ router_w`` (f32 accumulation). ``scoring="softmax"`` turns them
+into probabilities over the experts (Switch, GShard, Mixtral); ``scoring="sigmoid"``
+scores each expert on its own (DeepSeek-V3). A token's experts are the ``top_k`` highest
+``scores + expert_bias``: the bias (the auxiliary-loss-free balancing of DeepSeek-V3)
+steers *selection* only; the combine weights are the unbiased scores of the chosen
+experts, divided by their sum when ``normalize_weights`` (the default).
+
+*Ties* are broken toward the lower expert id (``lax.top_k`` is documented to put the
+lower index first among equal values), so routing is a deterministic function of the
+scores.
+
+*Sorting by expert.* The ``tokens * top_k`` assignments (flat index ``t * top_k + s`` for
+token ``t``'s ``s``-th choice) are sorted by expert with one ``lax.sort`` on two keys:
+the expert, then the assignment's *priority* ``s * tokens + t``: every token's first
+choice before any second choice, and within a choice, earlier tokens first (GShard's
+order). The keys are unique, so the order is deterministic. ``Routing.order`` lists the
+assignments in that order, and ``Routing.group_sizes[e]`` counts expert ``e``'s rows:
+rows ``[sum(group_sizes[:e]), sum(group_sizes[:e+1]))`` of the permuted tokens go to
+expert ``e``. Gathering the tokens in this order turns ``experts`` small matmuls of
+data-dependent sizes into one grouped matmul over a single ``[tokens * top_k, d]`` array.
+
+*Capacity.* ``capacity_factor=None`` is dropless: every assignment is computed.
+Otherwise each expert takes at most ``capacity = ceil(capacity_factor * tokens * top_k /
+experts)`` assignments, the first ones in priority order; the rest are *dropped*:
+they sort after every kept one (``sum(group_sizes)`` is then less than
+``tokens * top_k``; the grouped matmul leaves those rows zero), their combine weight is
+zero, and ``Routing.dropped`` marks them. A token whose every choice was dropped gets a
+zero output: the layer's residual connection carries it.
+
+*Auxiliary losses.* ``load_balancing_loss = experts * sum_e f_e * P_e`` (Switch
+Transformer, eq. 4, with top-k): ``f_e`` is the fraction of the assignments that chose
+expert ``e`` (before drops; not differentiable) and ``P_e`` the mean router probability
+of expert ``e`` over tokens (for sigmoid scoring, the scores normalised per token). It is
+1 when routing is uniform and grows with imbalance; its gradient pushes probability away
+from overloaded experts. ``z_loss = mean_t logsumexp(logits_t)^2`` (ST-MoE) keeps the
+router logits small. Both are f32 scalars; the caller weights them.
+
+How the layer works
+-------------------
+
+``moe`` routes, then *permutes* the tokens (a gather of row ``order // top_k``, so each
+token appears once per choice), then runs the gate and up projections as one ``gmm``
+over the experts' concatenated ``[d, 2f]`` weights, then ``activation(gate) * up``, then
+the down projection as a second ``gmm``, then *unpermutes* (a gather by each
+assignment's row, ``Routing.position``) and combines each token's ``top_k`` rows
+weighted by the routing weights, in f32.
+
+The permutations are gathers both ways: the forward gathers rows, and its custom VJP
+gathers the cotangent by the inverse permutation (summing a token's ``top_k`` copies)
+instead of the scatter-add that automatic differentiation would emit for a gather (a
+scatter is serialised on a TPU). The grouped matmuls' backward is :func:`kernels.gmm.gmm`'s
+own (a ``gmm`` with the transposed weights for the activations, a ``tgmm`` for the
+weights).
+
+Passing ``w_up=None`` with ``w_gate`` of shape ``[experts, d, 2f]`` (the gate weights in
+the first ``f`` columns, the up weights in the last) skips the concatenation, which
+otherwise copies both weight tensors on every call (and their gradients back).
+
+``aux`` holds ``load_balancing_loss``, ``z_loss``, ``expert_load`` (assignments that chose
+each expert, before drops), ``group_sizes`` (rows each expert computed) and
+``dropped_fraction``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels.errors import KernelError, check
+from kernels.gmm import gmm
+
+__all__ = ["Routing", "expert_capacity", "moe", "moe_reference", "route"]
+
+SCORINGS = ("softmax", "sigmoid")
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, approximate=True),
+               "relu": jax.nn.relu}
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["expert_ids", "weights", "dropped", "order", "position", "group_sizes",
+                                "expert_load", "load_balancing_loss", "z_loss"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Where each token goes (see the module docstring). ``tokens * top_k`` assignments,
+  flat index ``t * top_k + s`` for token ``t``'s ``s``-th choice."""
+
+  expert_ids: jax.Array
+  """``[tokens, top_k]`` int32: each token's experts, best first."""
+  weights: jax.Array
+  """``[tokens, top_k]`` f32: combine weights (0 for a dropped assignment)."""
+  dropped: jax.Array
+  """``[tokens, top_k]`` bool: assignments over their expert's capacity (all False when dropless)."""
+  order: jax.Array
+  """``[tokens * top_k]`` int32: the assignments sorted by expert, kept ones first, dropped ones last."""
+  position: jax.Array
+  """``[tokens, top_k]`` int32: each assignment's row in the sorted order (the inverse of ``order``)."""
+  group_sizes: jax.Array
+  """``[experts]`` int32: kept assignments per expert (rows of each group in the sorted order)."""
+  expert_load: jax.Array
+  """``[experts]`` int32: assignments that chose each expert, before capacity drops."""
+  load_balancing_loss: jax.Array
+  """f32 scalar: ``experts * sum_e f_e * P_e`` (Switch Transformer)."""
+  z_loss: jax.Array
+  """f32 scalar: ``mean_t logsumexp(logits_t)^2`` (ST-MoE)."""
+
+  @property
+  def token_ids(self) -> jax.Array:
+    """``[tokens * top_k]``: the token of each row of the sorted order."""
+    return self.order // self.expert_ids.shape[1]
+
+
+def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int:
+  """Assignments an expert may take: ``ceil(capacity_factor * tokens * top_k / experts)``."""
+  return int(math.ceil(capacity_factor * tokens * top_k / experts))
+
+
+# ---------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------
+
+
+def _check_route_args(x, router_w, top_k, scoring, expert_bias, capacity_factor):
+  check(getattr(x, "ndim", None) == 2, "x", x, "must be [tokens, d] (rank 2)")
+  check(x.shape[0] >= 1, "x", x, "needs at least one token")
+  check(jnp.issubdtype(x.dtype, jnp.floating), "x", x, "must be a floating-point array")
+  check(getattr(router_w, "ndim", None) == 2, "router_w", router_w, "must be [d, experts] (rank 2)")
+  check(router_w.shape[0] == x.shape[1], "router_w", router_w,
+        f"must have d={x.shape[1]} rows, the width of x {list(x.shape)}")
+  experts = router_w.shape[1]
+  check(experts >= 1, "router_w", router_w, "needs at least one expert")
+  check(isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= experts, "top_k", top_k,
+        f"must be an int in [1, experts={experts}]")
+  check(scoring in SCORINGS, "scoring", scoring, f"must be one of {SCORINGS}")
+  if expert_bias is not None:
+    check(getattr(expert_bias, "shape", None) == (experts,), "expert_bias", expert_bias,
+          f"must be [experts={experts}], one bias per expert")
+  if capacity_factor is not None:
+    check(isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+          and capacity_factor > 0, "capacity_factor", capacity_factor, "must be None (dropless) or a number > 0")
+
+
+def _check_layer_args(x, router_w, w_gate, w_up, w_down, activation):
+  experts, d = router_w.shape[1], x.shape[1]
+  check(getattr(w_gate, "ndim", None) == 3, "w_gate", w_gate, "must be [experts, d, f] (rank 3)")
+  check(getattr(w_down, "ndim", None) == 3, "w_down", w_down, "must be [experts, f, d] (rank 3)")
+  for name, w in (("w_gate", w_gate), ("w_down", w_down)) + ((("w_up", w_up),) if w_up is not None else ()):
+    check(w.shape[0] == experts, name, w, f"must have experts={experts} (router_w's columns) in dim 0")
+  check(w_gate.shape[1] == d, "w_gate", w_gate, f"must be [experts, d={d}, f]")
+  if w_up is None:
+    check(w_gate.shape[2] % 2 == 0, "w_gate", w_gate,
+          "with w_up=None must be the concatenated [experts, d, 2f] gate and up weights (even last dim)")
+    f = w_gate.shape[2] // 2
+  else:
+    check(getattr(w_up, "ndim", None) == 3 and w_up.shape == w_gate.shape, "w_up", w_up,
+          f"must have w_gate's shape {list(w_gate.shape)}")
+    f = w_gate.shape[2]
+  check(w_down.shape[1:] == (f, d), "w_down", w_down, f"must be [experts, f={f}, d={d}]")
+  check(activation in ACTIVATIONS, "activation", activation, f"must be one of {tuple(ACTIVATIONS)}")
+
+
+# ---------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------
+
+
+def route(x, router_w, *, top_k: int, scoring: str = "softmax", normalize_weights: bool = True,
+          expert_bias=None, capacity_factor: float | None = None) -> Routing:
+  """Routes ``x`` ``[tokens, d]`` to ``top_k`` of ``router_w``'s ``[d, experts]`` experts.
+
+  Args:
+    x: ``[tokens, d]`` token activations.
+    router_w: ``[d, experts]`` router weights.
+    top_k: experts per token, ``1 <= top_k <= experts``.
+    scoring: ``"softmax"`` (probabilities over experts) or ``"sigmoid"`` (independent scores).
+    normalize_weights: divide each token's combine weights by their sum.
+    expert_bias: ``[experts]`` added to the scores for selection only (auxiliary-loss-free balancing).
+    capacity_factor: ``None`` for dropless routing, else each expert keeps at most
+      :func:`expert_capacity` assignments (first choices first, then earlier tokens).
+
+  Returns:
+    A :class:`Routing`. Gradients flow to ``x`` and ``router_w`` through the combine
+    weights and the two losses; the choice of experts is piecewise constant.
+  """
+  _check_route_args(x, router_w, top_k, scoring, expert_bias, capacity_factor)
+  tokens, experts = x.shape[0], router_w.shape[1]
+  n = tokens * top_k
+  acc = jnp.float64 if jnp.promote_types(x.dtype, router_w.dtype) == jnp.float64 else jnp.float32
+  logits = jnp.dot(x, router_w, preferred_element_type=acc).astype(acc)
+  probs = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+  select = probs if expert_bias is None else probs + lax.stop_gradient(expert_bias).astype(acc)
+  _, ids = lax.top_k(lax.stop_gradient(select), top_k)  # ties: the lower expert id first
+  ids = ids.astype(jnp.int32)
+  # A one-hot product, not take_along_axis: its gradient would be a scatter, which libtpu's
+  # cost model aborts on (and a TPU serialises); this one is dense.
+  weights = jnp.sum(probs[:, None, :] * jax.nn.one_hot(ids, experts, dtype=acc), axis=-1)
+  if normalize_weights:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+  flat = ids.reshape(n)
+  a = jnp.arange(n, dtype=jnp.int32)
+  priority = (a % top_k) * tokens + a // top_k  # first choices of all tokens, then second choices, ...
+  sorted_e, _, perm = lax.sort((flat, priority, a), num_keys=2)
+  load = jnp.sum(flat[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
+  if capacity_factor is None:
+    order, group_sizes = perm, load
+    dropped = jnp.zeros((tokens, top_k), bool)
+  else:
+    cap = expert_capacity(tokens, experts, top_k, capacity_factor)
+    starts = jnp.cumsum(load) - load
+    kept_sorted = a - starts[sorted_e] < cap
+    group = jnp.where(kept_sorted, sorted_e, experts)  # dropped ones after every kept one
+    _, order = lax.sort((group, perm), num_keys=1, is_stable=True)
+    group_sizes = jnp.minimum(load, cap)
+    _, dropped = lax.sort((perm, ~kept_sorted), num_keys=1)  # back to assignment order
+    dropped = dropped.reshape(tokens, top_k)
+    weights = jnp.where(dropped, 0, weights)
+  _, position = lax.sort((order, a), num_keys=1)  # the inverse permutation, by a sort (no scatter)
+  position = position.reshape(tokens, top_k)
+
+  frac = load.astype(acc) / n
+  p = probs if scoring == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+  lb_loss = experts * jnp.sum(frac * jnp.mean(p, axis=0))
+  z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+  return Routing(ids, weights, dropped, order, position, group_sizes, load, lb_loss, z_loss)
+
+
+# ---------------------------------------------------------------------------------
+# Permutations: gathers both ways
+# ---------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, order, position, top_k):
+  """``x[order // top_k]``: each token once per choice, sorted by expert."""
+  return x[order // top_k]
+
+
+def _dispatch_fwd(x, order, position, top_k):
+  return _dispatch(x, order, position, top_k), (order, position)
+
+
+def _dispatch_bwd(top_k, res, g):
+  order, position = res
+  tokens = position.shape[0]
+  dx = jnp.sum(g[position.reshape(-1)].reshape(tokens, top_k, g.shape[1]).astype(jnp.float32), axis=1)
+  return dx.astype(g.dtype), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _unpermute(ys, order, position):
+  """``ys[position]``: the sorted rows back in assignment order (a permutation)."""
+  return ys[position.reshape(-1)]
+
+
+def _unpermute_fwd(ys, order, position):
+  return _unpermute(ys, order, position), (order, position)
+
+
+def _unpermute_bwd(res, g):
+  order, position = res
+  return g[order], None, None
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+# ---------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------
+
+
+def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "silu",
+        capacity_factor: float | None = None, scoring: str = "softmax", normalize_weights: bool = True,
+        expert_bias=None, block_sizes=None, implementation=None, interpret=None):
+  """A SwiGLU mixture-of-experts feed-forward layer on the grouped matmul.
+
+  ``y[t] = sum_s weights[t, s] * (act(x[t] @ w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e]``
+  with ``e = expert_ids[t, s]``, over the assignments a capacity kept.
+
+  Args:
+    x: ``[tokens, d]``.
+    router_w: ``[d, experts]``.
+    w_gate, w_up: ``[experts, d, f]``; or ``w_up=None`` and ``w_gate`` the concatenated
+      ``[experts, d, 2f]`` (gate columns first).
+    w_down: ``[experts, f, d]``.
+    top_k, scoring, normalize_weights, expert_bias, capacity_factor: as in :func:`route`.
+    activation: ``"silu"`` (SwiGLU), ``"gelu"`` (GeGLU, tanh approximation) or ``"relu"``.
+    block_sizes, implementation, interpret: passed to both :func:`kernels.gmm.gmm` calls.
+
+  Returns:
+    ``(y, aux)``: ``y`` ``[tokens, d]`` in ``x``'s dtype; ``aux`` a dict of
+    ``load_balancing_loss``, ``z_loss`` (f32 scalars, differentiable), ``expert_load``,
+    ``group_sizes`` (int32 ``[experts]``) and ``dropped_fraction``.
+  """
+  _check_route_args(x, router_w, top_k, scoring, expert_bias, capacity_factor)
+  _check_layer_args(x, router_w, w_gate, w_up, w_down, activation)
+  r = route(x, router_w, top_k=top_k, scoring=scoring, normalize_weights=normalize_weights,
+            expert_bias=expert_bias, capacity_factor=capacity_factor)
+  w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
+  kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
+  grouped = lambda lhs, rhs: gmm(lhs, rhs, r.group_sizes, **kw)  # noqa: E731
+  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped), _aux(r)
+
+
+def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
+  """Permute, the two grouped matmuls (``grouped(lhs, rhs)``) with the activation product
+  between them, unpermute and combine: the layer after routing. ``tools/bench_moe.py`` runs
+  it on other grouped matmuls."""
+  tokens, d = x.shape
+  top_k = r.expert_ids.shape[1]
+  f = w_gate_up.shape[2] // 2
+  xs = _dispatch(x, r.order, r.position, top_k)                       # [tokens * top_k, d]
+  h = grouped(xs, w_gate_up.astype(x.dtype))                          # [tokens * top_k, 2f]
+  act = (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(x.dtype)
+  ys = grouped(act, w_down.astype(x.dtype))                           # [tokens * top_k, d]
+  yt = _unpermute(ys, r.order, r.position).reshape(tokens, top_k, d)
+  return jnp.einsum("tkd,tk->td", yt.astype(jnp.float32), r.weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def _aux(r: Routing) -> dict:
+  n = r.expert_ids.size
+  return {"load_balancing_loss": r.load_balancing_loss, "z_loss": r.z_loss, "expert_load": r.expert_load,
+          "group_sizes": r.group_sizes, "dropped_fraction": 1.0 - jnp.sum(r.group_sizes) / n}
+
+
+def moe_reference(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "silu",
+                  capacity_factor: float | None = None, scoring: str = "softmax", normalize_weights: bool = True,
+                  expert_bias=None):
+  """The same layer run densely: every expert on every token (f32, or f64 for f64 inputs, at
+  the highest matmul precision), then each token's outputs weighted by its combine
+  weights, zero for experts it did not choose or that dropped it. Same routing, same
+  ``(y, aux)``."""
+  _check_route_args(x, router_w, top_k, scoring, expert_bias, capacity_factor)
+  _check_layer_args(x, router_w, w_gate, w_up, w_down, activation)
+  r = route(x, router_w, top_k=top_k, scoring=scoring, normalize_weights=normalize_weights,
+            expert_bias=expert_bias, capacity_factor=capacity_factor)
+  acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+  if w_up is None:
+    f = w_gate.shape[2] // 2
+    w_gate, w_up = w_gate[:, :, :f], w_gate[:, :, f:]
+  xf, wg, wu, wd = (a.astype(acc) for a in (x, w_gate, w_up, w_down))
+  hi = lax.Precision.HIGHEST
+  g = jnp.einsum("td,edf->etf", xf, wg, precision=hi)
+  u = jnp.einsum("td,edf->etf", xf, wu, precision=hi)
+  out = jnp.einsum("etf,efd->etd", ACTIVATIONS[activation](g) * u, wd, precision=hi)
+  tokens, experts = x.shape[0], router_w.shape[1]
+  dense_w = jnp.einsum("tk,tke->te", r.weights.astype(acc), jax.nn.one_hot(r.expert_ids, experts, dtype=acc))
+  y = jnp.einsum("te,etd->td", dense_w, out, precision=hi).astype(x.dtype)
+  return y, _aux(r)

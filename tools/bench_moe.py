@@ -1,0 +1,349 @@
+"""Benchmarks the whole MoE layer (kernels.moe) three ways, with the TPU compiler's cost model.
+
+Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost
+model, floored: never less than the program's counted HBM bytes at the published
+bandwidth), never a measurement, stored with :meth:`kernels.tpu.Estimate.record` in
+``kernels/data/moe_bench.json``.
+
+The layer (SwiGLU, bf16, router f32) is built three ways, with the same routing code
+(:func:`kernels.moe.route`, its cost included) and the same permutation, activation and
+combine (:func:`kernels.moe._expert_layer`):
+
+* ``ours``: the two grouped matmuls on :func:`kernels.gmm.gmm`'s kernel, dropless;
+* ``megablox``: the same layer on ``jax.experimental.pallas.ops.tpu.megablox.gmm``
+  (its custom VJP), at its default tiling ``(128, 128, 128)`` (``megablox``) and at a
+  large tiling ``(512, 1024, 1024)`` clipped to each matmul (``megablox_large``);
+* ``dense``: GShard's dense capacity layout at capacity factor 1.25: one-hot dispatch and
+  combine tensors ``[tokens, experts, capacity]`` and ``einsum`` for everything.
+
+*Group sizes seen by the cost model.* libtpu's cost model reads scalar-prefetched values
+as 0, and both ``gmm`` and megablox scalar-prefetch their group tables. ``ours`` is
+therefore estimated with :func:`kernels.gmm.gmm_static_groups` (the same kernel with
+the visit tables built from the benchmark's group sizes as constants; see
+``kernels/gmm.py``), fed the case's group sizes (balanced: ``tokens * top_k / experts``
+each; skewed: the issue's ``[4096, 2048, ..., 64]`` times ``top_k``). The router still
+runs on the random inputs, its cost is included, but the grouped matmuls see the
+constant sizes. megablox has no such method: its grid length and tables are computed
+at run time, so its estimate is the cost model's reading of the dynamic program, and
+each record says so (``method``). The dense layer has no data-dependent control flow.
+
+*Permutations on v5e.* libtpu's v5e cost model aborts the process on any XLA gather of
+rows (a plain ``x[idx]``; v6e's does not), and the layer permutes tokens by gathers. On
+v5e the two gathers are replaced by contiguous copies of the same bytes (``jnp.repeat``
+of ``x`` ``top_k`` times, and a flip of the rows), and their gradients by the copies' own
+(``permutation: "copy"``); on v6e the layer runs as written (``permutation: "gather"``).
+``--compare-permutations`` estimates both on v6e, which checks the stand-in
+(``permutation_check`` in the file). megablox's own group-table code also contains
+gathers, so megablox cannot be estimated on v5e at all.
+
+*Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
+is stopped above ``--max-rss-gb`` (8). When the full layer does not fit, the program
+is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``)
+and extrapolated linearly in ``f`` (every matmul's FLOPs and every weight's bytes are
+linear in ``f``; routing, permutations and combine do not depend on it); such records
+carry ``"scaled": "linear in f from f/8 and f/4"``.
+
+Run::
+
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/bench_moe.py            # everything missing
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/bench_moe.py --cases E8_top2 --impls ours --force
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+moe_mod = importlib.import_module("kernels.moe")  # the module (kernels.moe is the function)
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
+OUT = os.path.join(DATA, "moe_bench.json")
+
+CASES = {
+    "E8_top2": dict(tokens=8192, d=4096, f=14336, experts=8, top_k=2),      # Mixtral-8x7B's shape
+    "E64_top8": dict(tokens=8192, d=2048, f=1408, experts=64, top_k=8),     # fine-grained (OLMoE / DeepSeek-like)
+}
+SKEW = (4096, 2048, 1024, 512, 256, 128, 64, 64)
+GENERATIONS = ("v5e", "v6e")
+IMPLS = ("ours", "megablox", "megablox_large", "dense")
+MODES = ("fwd", "fwdbwd")
+CAPACITY = 1.25
+MEGABLOX_LARGE = (512, 1024, 1024)
+MAX_RSS_GB = 8.0
+V5E_MEGABLOX = ("not estimated: libtpu's v5e cost model aborts the process on megablox's layer (its group-table "
+                "code gathers; seen at 512 tokens, d=256, f=512, E=8, forward and forward+backward), so it is not "
+                "attempted at full size")
+TIMEOUT = 1800
+
+
+def group_sizes(case: dict, groups: str) -> np.ndarray:
+  n, e = case["tokens"] * case["top_k"], case["experts"]
+  if groups == "balanced":
+    return np.full((e,), n // e, np.int32)
+  assert e == len(SKEW) and sum(SKEW) * case["top_k"] == n, (case, groups)
+  return np.asarray(SKEW, np.int32) * case["top_k"]
+
+
+def flops(case: dict, mode: str) -> float:
+  """The FLOPs actually needed: three ``[d, f]`` matmuls per kept assignment (``2 * tokens * top_k * d * 3f``);
+  the backward twice that (activations and weights)."""
+  fwd = 2.0 * case["tokens"] * case["top_k"] * case["d"] * 3 * case["f"]
+  return fwd if mode == "fwd" else 3 * fwd
+
+
+def bytes_needed(case: dict, mode: str) -> float:
+  """Compulsory HBM bytes (bf16): the weights and x read, y written; with the backward, dy read and dx and
+  the weight gradients written too."""
+  w = 3 * case["experts"] * case["d"] * case["f"] * 2
+  act = case["tokens"] * case["d"] * 2
+  return w + 2 * act if mode == "fwd" else 2 * w + 4 * act
+
+
+# --- the three layers ------------------------------------------------------------------
+
+
+def _megablox_gmm(tiling):
+  from jax.experimental.pallas.ops.tpu.megablox import ops as mb
+
+  def grouped(gs):
+    def run(lhs, rhs):
+      m, k = lhs.shape
+      n = rhs.shape[2]
+      t = tuple(min(a, b) for a, b in zip(tiling, (m, k, n)))
+      return mb.gmm(lhs, rhs, gs, lhs.dtype, t)
+    return run
+  return grouped
+
+
+def _ours_gmm(static_sizes):
+  from kernels.gmm import gmm_static_groups
+
+  def grouped(gs):
+    del gs  # the cost model sees the case's sizes as constants (see the module docstring)
+    return lambda lhs, rhs: gmm_static_groups(lhs, rhs, static_sizes)
+  return grouped
+
+
+def grouped_layer(case, make_grouped):
+  k = case["top_k"]
+
+  def layer(x, rw, w_gate_up, w_down):
+    r = moe_mod.route(x, rw, top_k=k)
+    y = moe_mod._expert_layer(x, r, w_gate_up, w_down, "silu", make_grouped(r.group_sizes))
+    return y, r.load_balancing_loss + r.z_loss
+  return layer
+
+
+def dense_layer(case):
+  """GShard's dense capacity layout: one-hot dispatch / combine tensors and einsums."""
+  k, e, t = case["top_k"], case["experts"], case["tokens"]
+  cap = moe_mod.expert_capacity(t, e, k, CAPACITY)
+
+  def layer(x, rw, w_gate_up, w_down):
+    r = moe_mod.route(x, rw, top_k=k, capacity_factor=CAPACITY)
+    starts = jnp.cumsum(r.group_sizes) - r.group_sizes
+    slot = r.position - starts[r.expert_ids]                               # row within the expert's capacity
+    kept = ~r.dropped
+    onehot = (jax.nn.one_hot(r.expert_ids, e, dtype=x.dtype)[..., None]
+              * jax.nn.one_hot(jnp.where(kept, slot, cap), cap, dtype=x.dtype)[..., None, :])  # [t, k, e, c]
+    dispatch = jnp.sum(onehot, axis=1)                                      # [t, e, c]
+    combine = jnp.einsum("tkec,tk->tec", onehot, r.weights.astype(x.dtype))
+    xe = jnp.einsum("tec,td->ecd", dispatch, x)
+    h = jnp.einsum("ecd,edf->ecf", xe, w_gate_up)
+    f = w_gate_up.shape[2] // 2
+    a = (jax.nn.silu(h[..., :f].astype(jnp.float32)) * h[..., f:].astype(jnp.float32)).astype(x.dtype)
+    ye = jnp.einsum("ecf,efd->ecd", a, w_down)
+    y = jnp.einsum("tec,ecd->td", combine, ye)
+    return y, r.load_balancing_loss + r.z_loss
+  return layer
+
+
+def permutation(cfg) -> str:
+  """``gather`` (the layer as written) on v6e; ``copy`` stand-ins on v5e, whose cost model aborts on XLA gathers."""
+  return cfg.get("permutation") or ("copy" if cfg["generation"] == "v5e" else "gather")
+
+
+def _copy_standins():
+  """Replaces the layer's two row gathers by contiguous copies of the same bytes (see the module docstring)."""
+  moe_mod._dispatch = lambda x, order, position, top_k: jnp.repeat(x, top_k, axis=0)   # reads x, writes N rows
+  moe_mod._unpermute = lambda ys, order, position: jnp.flip(ys, axis=0)                 # reads and writes N rows
+
+
+def program(cfg):
+  case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  if permutation(cfg) == "copy":
+    _copy_standins()
+  gs = group_sizes(case, cfg["groups"])
+  impl = cfg["impl"]
+  if impl == "ours":
+    layer = grouped_layer(case, _ours_gmm(gs))
+  elif impl == "megablox":
+    layer = grouped_layer(case, _megablox_gmm((128, 128, 128)))
+  elif impl == "megablox_large":
+    layer = grouped_layer(case, _megablox_gmm(MEGABLOX_LARGE))
+  else:
+    layer = dense_layer(case)
+  t, d, e, f = case["tokens"], case["d"], case["experts"], case["f"]
+  sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  args = [sds((t, d), bf16), sds((d, e), jnp.float32), sds((e, d, 2 * f), bf16), sds((e, f, d), bf16)]
+  if cfg["mode"] == "fwd":
+    return (lambda *a: layer(*a)[0]), args
+
+  def loss(x, rw, wgu, wd, dy):
+    y, aux = layer(x, rw, wgu, wd)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + aux
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), args + [sds((t, d), bf16)]
+
+
+def estimate_here(cfg) -> dict:
+  fn, args = program(cfg)
+  case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]),
+                           bytes_accessed=bytes_needed(case, cfg["mode"]))
+  r = e.record()
+  r.update(compile_seconds=round(e.compile_seconds, 1))
+  return r
+
+
+def estimate_isolated(cfg, max_rss_gb) -> dict:
+  """:func:`estimate_here` in a child process, stopped above ``max_rss_gb`` of RAM or after TIMEOUT."""
+  cmd = [sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)]
+  with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+    t0, peak = time.time(), 0.0
+    while proc.poll() is None:
+      time.sleep(1)
+      peak = max(peak, result_tables.rss_gb(proc.pid))
+      if peak > max_rss_gb or time.time() - t0 > TIMEOUT:
+        proc.kill()
+        proc.wait()
+        return {"error": (f"exceeded {max_rss_gb:g} GB of RAM" if peak > max_rss_gb
+                          else f"took longer than {TIMEOUT} s"), "peak_rss_gb": round(peak, 1)}
+    out.seek(0)
+    err.seek(0)
+    stdout, stderr = out.read(), err.read()
+  lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    tail = [ln for ln in stderr.splitlines() if ln.startswith("F") or "Error" in ln]
+    return {"error": "the compiler or its cost model failed: " + (tail[-1][:300] if tail else f"exit {proc.returncode}")}
+  r = json.loads(lines[-1])
+  r["peak_rss_gb"] = round(peak, 1)
+  return r
+
+
+def estimate(cfg, max_rss_gb) -> dict:
+  """The full program, else linear in ``f`` from two slices."""
+  r = estimate_isolated(cfg, max_rss_gb)
+  if "us" in r or "RAM" not in r.get("error", ""):
+    return r
+  f = CASES[cfg["case"]]["f"]
+  parts = [estimate_isolated(dict(cfg, f=f // s), max_rss_gb) for s in (8, 4)]
+  if not all("us" in p for p in parts):
+    return {"error": f"full size: {r['error']}; slices: " + "; ".join(p.get("error", "ok") for p in parts)}
+  out = {"scaled": "linear in f from f/8 and f/4 (the full program exceeded the RAM limit)",
+         "slices": {f"f={f // s}": p for s, p in zip((8, 4), parts)}}
+  for key in ("us", "model_us", "floor_us", "hbm_bytes"):
+    a, b = parts[0][key], parts[1][key]          # at f/8 and f/4: slope per f/8 is (b - a)
+    out[key] = round(a + (b - a) * 7, 3)         # f = f/8 + 7 * (f/8)
+  out["floored"] = out["floor_us"] >= out["model_us"]
+  out["valid"] = all(p.get("valid", False) for p in parts)
+  case = CASES[cfg["case"]]
+  chip = kernels.get_chip(cfg["generation"])
+  rl = kernels.roofline_of(flops(case, cfg["mode"]), bytes_needed(case, cfg["mode"]), chip, "bfloat16")
+  out["fraction_of_roofline"] = round(rl.seconds / (out["us"] * 1e-6), 4)
+  return out
+
+
+def method(impl: str) -> str:
+  return {"ours": "gmm_static_groups: the case's group sizes as compile-time constants",
+          "megablox": "dynamic program as written (group tables scalar-prefetched; the cost model reads them as 0)",
+          "megablox_large": "dynamic program as written (group tables scalar-prefetched; the cost model reads them as 0)",
+          "dense": "no data-dependent control flow"}[impl]
+
+
+def bench(args):
+  table = result_tables.load(OUT) or {}
+  table.update({
+      "description": (
+          "The whole SwiGLU MoE layer (bf16; router f32) forward and forward+backward, built three ways on the same "
+          "routing code: ours (kernels.gmm), megablox gmm (default tiling 128x128x128; and 512x1024x1024 clipped, "
+          "'megablox_large'), and GShard's dense capacity einsum (capacity factor 1.25). Compiler estimates (libtpu's "
+          "static cost model), not measurements: us is the floored estimate (never less than the program's counted "
+          "HBM bytes at the published bandwidth). Each record's 'method' says what group sizes the cost model saw. "
+          "fraction_of_roofline: the FLOPs actually needed (2 * tokens * top_k * d * 3f, x3 with the backward) and "
+          "compulsory bytes at the chip's peak, over us."),
+      "generated_by": "tools/bench_moe.py", "kind": "compiler estimate (floored)",
+      "environment": {"jax": jax.__version__, "python": platform.python_version()},
+      "cases": CASES, "skewed_group_sizes_top1": list(SKEW), "capacity_factor": CAPACITY})
+  results = table.setdefault("results", {})
+  for gen in args.generations:
+    for case in args.cases:
+      for groups in args.groups:
+        if groups == "skewed" and CASES[case]["experts"] != len(SKEW):
+          continue
+        for impl in args.impls:
+          for mode in args.modes:
+            key = f"{gen}/{case}/{groups}/{impl}/{mode}"
+            if key in results and "us" in results[key] and not args.force:
+              continue
+            cfg = dict(generation=gen, case=case, groups=groups, impl=impl, mode=mode)
+            cfg["permutation"] = permutation(cfg)
+            t0 = time.time()
+            if gen == "v5e" and impl.startswith("megablox"):
+              r = {"error": V5E_MEGABLOX}
+            else:
+              r = estimate(cfg, args.max_rss_gb)
+            r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
+            results[key] = r
+            print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
+            result_tables.save(table, OUT)
+            if args.compare_permutations and cfg["permutation"] == "gather" and impl != "dense":
+              check = dict(cfg, permutation="copy")
+              c = estimate(check, args.max_rss_gb)
+              c.update(check)
+              table.setdefault("permutation_check", {})[key] = {
+                  "gather_us": r.get("us"), "copy_us": c.get("us"), "error": c.get("error")}
+              print(key, "copy stand-in:", c.get("us"), c.get("error", ""), flush=True)
+              result_tables.save(table, OUT)
+
+
+def main(argv=None):
+  global TIMEOUT
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("job", choices=("bench", "one"), nargs="?", default="bench")
+  ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
+  ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+  ap.add_argument("--cases", nargs="*", default=list(CASES))
+  ap.add_argument("--groups", nargs="*", default=["balanced", "skewed"])
+  ap.add_argument("--impls", nargs="*", default=list(IMPLS))
+  ap.add_argument("--modes", nargs="*", default=list(MODES))
+  ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB)
+  ap.add_argument("--force", action="store_true")
+  ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per estimate")
+  ap.add_argument("--compare-permutations", action="store_true",
+                  help="on v6e, also estimate the copy stand-ins of the permutations (permutation_check)")
+  args = ap.parse_args(argv)
+  TIMEOUT = args.timeout
+  if args.job == "one":
+    result_tables.print_result(estimate_here, args.config)
+  else:
+    bench(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,325 @@
+"""Tunes kernels.gmm's blocks and benchmarks gmm / tgmm against their peers, with the TPU compiler's cost model.
+
+Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost
+model), never a measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is
+the floored estimate (the model's time, never less than the program's counted HBM bytes at
+the published bandwidth); ``model_us`` and ``floor_us`` stay beside it.
+
+*How our kernels are estimated.* The cost model reads scalar-prefetched values as 0, so an
+estimate of the dynamic kernel (visit tables prefetched) sees every visit at group 0,
+tile 0 and no DMA: not trustworthy. Ours are therefore estimated with
+:func:`kernels.gmm.gmm_static_groups` / ``tgmm_static_groups``: the same kernel body and
+index maps with the case's group sizes as compile-time constants (``method:
+"static offsets"``; the tests check in interpret mode that it computes what the dynamic
+kernel computes). ``ours_dynamic`` is the dynamic kernel's estimate, kept only to show the
+blind spot (``method: "dynamic (prefetched tables read as 0)"``).
+
+*Peers.* ``ragged_dot`` (``jax.lax.ragged_dot``, XLA:TPU's grouped matmul), megablox's
+``gmm`` (``jax.experimental.pallas.ops.tpu.megablox``; its group metadata is also
+scalar-prefetched, so its estimate has the same blind spot: ``method`` says so) at its
+default tiling (128, 128, 128) and at (512, 1024, 1024), and a dense capacity einsum: each
+expert multiplies a ``[capacity, k]`` slab, capacity = 1.25 x tokens / E (rounded up to 8),
+``einsum("eck,ekn->ecn")`` (the expert matmul of GShard's dense layout; the dispatch and
+combine einsums are not included).
+
+*Cases.* ``E8``: 8192 rows (routed tokens), E=8, k=4096, n=14336, group sizes ``balanced``
+(1024 each), ``skewed`` ([4096, 2048, 1024, 512, 256, 128, 64, 64]) and ``empty`` (2048 in
+every other group, 0 in the rest). ``E64``: 8192 tokens x top-8 = 65536 rows, E=64,
+k=2048, n=1408, balanced. A full-size E8 program needs more memory than this machine can
+give the cost model, so E8 is estimated on a slice of n (``n_slice`` columns: 2048 forward,
+1024 forward + backward; the n tiles are independent grid steps) and ``us`` is scaled by ``n / n_slice`` (``scaled_by``); the
+slice's own numbers are under ``slice``. The roofline (``fraction_of_roofline``) is on the
+FLOPs actually needed, ``2 * rows * k * n`` (x3 with the backward), and the compulsory
+bytes (each operand read once, each result written once).
+
+Each estimate runs in a child process (the cost model can abort); results are written after
+each one, so an interrupted run resumes. Run under the shared lock::
+
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/tune_gmm.py tune
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/tune_gmm.py bench
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+gm = importlib.import_module("kernels.gmm")
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
+BLOCKS_OUT = os.path.join(DATA, "gmm_blocks.json")
+BENCH_OUT = os.path.join(DATA, "gmm_bench.json")
+GENERATIONS = ("v5e", "v6e")
+KERNEL_VERSION = 1
+
+CASES = {
+    "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048, n_slice_fwdbwd=1024),
+    "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408, n_slice_fwdbwd=1408),
+}
+SKEW = [4096, 2048, 1024, 512, 256, 128, 64, 64]
+MEGABLOX_TILINGS = {"megablox_default": (128, 128, 128), "megablox_large": (512, 1024, 1024)}
+CAPACITY = 1.25
+
+
+def group_sizes(case: str, groups: str) -> np.ndarray:
+  c = CASES[case]
+  e, m = c["experts"], c["rows"]
+  if groups == "balanced":
+    return np.full(e, m // e, np.int32)
+  if groups == "skewed":
+    assert e == len(SKEW) and sum(SKEW) == m
+    return np.asarray(SKEW, np.int32)
+  if groups == "empty":  # every other group empty, the rest balanced
+    return np.asarray([2 * m // e if i % 2 == 0 else 0 for i in range(e)], np.int32)
+  raise ValueError(groups)
+
+
+def flops(case: str, mode: str, n: int | None = None) -> float:
+  c = CASES[case]
+  f = 2.0 * c["rows"] * c["k"] * (n or c["n"])
+  return f if mode == "fwd" else 3 * f
+
+
+def bytes_needed(case: str, mode: str, n: int | None = None) -> float:
+  """Compulsory bf16 bytes. Forward: lhs, rhs read, out written. Forward + backward: lhs, rhs, dout
+  read; out, dlhs, drhs written."""
+  c = CASES[case]
+  n = n or c["n"]
+  lhs, rhs, out = c["rows"] * c["k"], c["experts"] * c["k"] * n, c["rows"] * n
+  return 2.0 * ((lhs + rhs + out) if mode == "fwd" else 2 * (lhs + rhs + out))
+
+
+def capacity(case: str) -> int:
+  c = CASES[case]
+  return int(math.ceil(CAPACITY * c["rows"] / c["experts"] / 8) * 8)
+
+
+def _n(cfg) -> int:
+  c = CASES[cfg["case"]]
+  return cfg.get("n") or (c["n_slice"] if cfg["mode"] == "fwd" else c["n_slice_fwdbwd"])
+
+
+def _program(cfg):
+  c = CASES[cfg["case"]]
+  m, k, e = c["rows"], c["k"], c["experts"]
+  n = _n(cfg)
+  bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+  gs = group_sizes(cfg["case"], cfg["groups"])
+  impl = cfg["impl"]
+  blocks = tuple(cfg["blocks"]) if cfg.get("blocks") else None
+  if cfg.get("kernel") == "tgmm":  # tgmm alone (tuning): lhs [k, rows], rhs [rows, n]
+    args = (sds((k, m), bf16), sds((m, n), bf16))
+    return (lambda a, b: gm.tgmm_static_groups(a, b, gs, block_sizes=blocks)), args
+  lhs, rhs, dout = sds((m, k), bf16), sds((e, k, n), bf16), sds((m, n), bf16)
+  gsa = jnp.asarray(gs)
+  if impl == "ours":
+    fwd = lambda a, b: gm.gmm_static_groups(a, b, gs, block_sizes=blocks)  # noqa: E731
+  elif impl == "ours_dynamic":
+    fwd = lambda a, b: kernels.gmm(a, b, gsa, block_sizes=blocks)  # noqa: E731
+  elif impl == "ragged_dot":
+    fwd = lambda a, b: jax.lax.ragged_dot(a, b, gsa)  # noqa: E731
+  elif impl in MEGABLOX_TILINGS:
+    from jax.experimental.pallas.ops.tpu.megablox import ops as mb  # noqa: PLC0415
+    tiling = tuple(min(t, d) for t, d in zip(MEGABLOX_TILINGS[impl], (m, k, n)))
+    fwd = lambda a, b: mb.gmm(a, b, gsa, jnp.bfloat16, tiling)  # noqa: E731
+  elif impl == "dense":
+    cap = capacity(cfg["case"])
+    lhs, dout = sds((e, cap, k), bf16), sds((e, cap, n), bf16)
+    fwd = lambda a, b: jnp.einsum("eck,ekn->ecn", a, b)  # noqa: E731
+  else:
+    raise ValueError(impl)
+  if cfg["mode"] == "fwd":
+    return fwd, (lhs, rhs)
+
+  def fwdbwd(a, b, dy):
+    out, vjp = jax.vjp(fwd, a, b)
+    return out, vjp(dy)
+  return fwdbwd, (lhs, rhs, dout)
+
+
+def method(impl: str) -> str:
+  if impl == "ours":
+    return "static offsets (group sizes as compile-time constants; same kernel body)"
+  if impl == "ours_dynamic" or impl.startswith("megablox"):
+    return "dynamic (prefetched group tables, read as 0 by the cost model: not trustworthy)"
+  return "XLA program"
+
+
+def estimate(cfg) -> dict:
+  fn, args = _program(cfg)
+  n = _n(cfg)
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(cfg["case"], cfg["mode"], n),
+                           bytes_accessed=bytes_needed(cfg["case"], cfg["mode"], n))
+  r = e.record()
+  r.update(compile_seconds=round(e.compile_seconds, 1), n_slice=n)
+  return r
+
+
+MAX_RSS_GB = 7.5
+
+
+def run_guarded(cfg) -> dict:
+  """The ``one`` job in a child process, stopped if its resident memory passes MAX_RSS_GB (the shared
+  machine's limit for one job)."""
+  import subprocess  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  peak = 0.0
+  while proc.poll() is None:
+    peak = max(peak, result_tables.rss_gb(proc.pid))
+    if peak > MAX_RSS_GB:
+      proc.kill()
+      proc.wait()
+      return {"error": f"stopped: the estimate passed {MAX_RSS_GB} GB of memory"}
+    time.sleep(0.5)
+  lines = [ln for ln in proc.stdout.read().splitlines() if ln.startswith("{")]
+  r = json.loads(lines[-1]) if lines else {"error": f"exit {proc.returncode}"}
+  r["peak_rss_gb"] = round(peak, 1)
+  return r
+
+
+def estimate_isolated(cfg) -> dict:
+  r = run_guarded(cfg)
+  c = CASES[cfg["case"]]
+  n = _n(cfg)
+  if "us" in r and n != c["n"]:  # scale the slice to the full n
+    s = c["n"] / n
+    r = {"slice": r, "scaled_by": s, "us": round(r["us"] * s, 2), "model_us": round(r["model_us"] * s, 2),
+         "floor_us": round(r["floor_us"] * s, 2), "fraction_of_roofline": r.get("fraction_of_roofline"),
+         "valid": r.get("valid", True), "floored": r.get("floored")}
+  return r
+
+
+def _header(description):
+  return {"description": description, "generated_by": "tools/tune_gmm.py", "kind": "compiler estimate (floored)",
+          "environment": {"jax": jax.__version__, "python": platform.python_version()}}
+
+
+# --- tune -------------------------------------------------------------------------------
+
+GMM_CANDIDATES = [(512, 1024, 1024), (512, 1024, 2048), (512, 2048, 2048), (1024, 512, 2048), (1024, 1024, 1024)]
+TGMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048)]
+
+
+def tune(args):
+  table = result_tables.load(BLOCKS_OUT) or _header("")
+  table["description"] = (
+      "Default blocks (tm, tk, tn) of kernels.gmm's two kernels per TPU generation. Chosen from compiler "
+      "estimates (libtpu's static cost model, floored; estimates, not measurements) of the static-offsets kernel "
+      "(group sizes as compile-time constants) on the E8 case (8192 rows, E=8, k=4096) on a 2048-column slice of "
+      "n: gmm ranked on balanced + skewed forward us, tgmm ([k, rows] x [rows, n] -> [E, k, n]) on balanced us. "
+      "v5p and v4 copy v5e (not swept; v4 has no cost model); kernels.gmm shrinks blocks that do not fit VMEM.")
+  defaults = table.setdefault("defaults", {})
+  for gen in args.generations:
+    entry = {}
+    for kernel, cands, groups in (("gmm", GMM_CANDIDATES, ("balanced", "skewed")), ("tgmm", TGMM_CANDIDATES,
+                                                                                    ("balanced",))):
+      sweep = {}
+      for blocks in cands:
+        for g in groups:
+          cfg = dict(generation=gen, impl="ours", case="E8", groups=g, mode="fwd", blocks=list(blocks),
+                     kernel=kernel)
+          r = run_guarded(cfg)
+          sweep[(blocks, g)] = r
+          print(gen, kernel, blocks, g, r.get("us"), r.get("model_us"), r.get("error", ""), flush=True)
+      scores = {b: sum(sweep[(b, g)]["us"] for g in groups) for b in cands
+                if all("us" in sweep[(b, g)] and sweep[(b, g)].get("valid", True) for g in groups)}
+      if not scores:
+        continue
+      best = min(scores, key=scores.get)
+      entry[kernel] = {"tm": best[0], "tk": best[1], "tn": best[2],
+                       "sweep": {f"{b[0]}x{b[1]}x{b[2]}/{g}": ({"us": v["us"], "model_us": v["model_us"]}
+                                                               if "us" in v else v)
+                                 for (b, g), v in sorted(sweep.items())},
+                       "kernel": KERNEL_VERSION, "tuned": datetime.date.today().isoformat()}
+    if entry:
+      defaults[gen] = entry
+      if gen == "v5e":
+        for other in ("v5p", "v4"):
+          defaults[other] = {k: {"tm": v["tm"], "tk": v["tk"], "tn": v["tn"],
+                                 "source": "v5e's choice (not swept; libtpu has no cost model for v4)"}
+                             for k, v in entry.items()}
+      result_tables.save(table, BLOCKS_OUT)
+
+
+# --- bench ------------------------------------------------------------------------------
+
+BENCH = [  # (case, groups, impl, mode), the most needed first
+    *[("E8", g, "ours", "fwd") for g in ("balanced", "skewed", "empty")],
+    ("E8", "balanced", "dense", "fwd"),
+    ("E8", "balanced", "megablox_large", "fwd"), ("E8", "balanced", "megablox_default", "fwd"),
+    ("E8", "balanced", "ours", "fwdbwd"), ("E8", "balanced", "dense", "fwdbwd"),
+    ("E64", "balanced", "ours", "fwd"),
+    ("E8", "balanced", "ragged_dot", "fwd"), ("E8", "skewed", "ours", "fwdbwd"),
+    ("E64", "balanced", "ours", "fwdbwd"), ("E64", "balanced", "dense", "fwd"),
+    ("E64", "balanced", "megablox_large", "fwd"), ("E64", "balanced", "ragged_dot", "fwd"),
+    ("E8", "skewed", "megablox_large", "fwd"), ("E8", "skewed", "ragged_dot", "fwd"),
+    ("E8", "balanced", "ours_dynamic", "fwd"),
+]
+
+
+def bench(args):
+  table = result_tables.load(BENCH_OUT) or _header("")
+  table["description"] = __doc__.split("Each estimate runs")[0].strip()
+  table["cases"] = {k: dict(v, group_sizes={g: group_sizes(k, g).tolist() for g in ("balanced", "skewed", "empty")
+                                            if k == "E8" or g == "balanced"})
+                    for k, v in CASES.items()}
+  table["capacity_factor"] = CAPACITY
+  results = table.setdefault("results", {})
+  for case, groups, impl, mode in BENCH:
+    for gen in args.generations:
+      if args.impls and impl not in args.impls:
+        continue
+      if args.stop_at and time.time() > args.stop_at:
+        print("stopping: --stop-at reached", flush=True)
+        return
+      key = f"{gen}/{case}/{groups}/{impl}/{mode}"
+      if key in results and "us" in results[key] and not args.force:
+        continue
+      cfg = dict(generation=gen, impl=impl, case=case, groups=groups, mode=mode)
+      r = estimate_isolated(cfg)
+      r.update(cfg, method=method(impl))
+      if impl.startswith("ours"):
+        r["kernel"] = KERNEL_VERSION
+        c = CASES[case]
+        with kernels.backend.target(gen):
+          plan, _ = gm._plan("gmm", c["rows"], c["k"], c["n"], c["experts"], gm.GmmBlockSizes(), jnp.bfloat16,
+                             jnp.bfloat16, jnp.bfloat16, chip=kernels.get_chip(gen))
+        r["blocks"] = dict(tm=plan.tm, tk=plan.tk, tn=plan.tn)
+      results[key] = r
+      print(key, r.get("us"), r.get("model_us"), r.get("fraction_of_roofline"), r.get("error", ""), flush=True)
+      result_tables.save(table, BENCH_OUT)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("job", choices=("tune", "bench", "one"))
+  ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
+  ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+  ap.add_argument("--impls", nargs="*", default=None)
+  ap.add_argument("--force", action="store_true")
+  ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
+  args = ap.parse_args(argv)
+  if args.job == "one":
+    result_tables.print_result(estimate, args.config)
+    return
+  (tune if args.job == "tune" else bench)(args)
+
+
+if __name__ == "__main__":
+  main()
