@@ -12,7 +12,7 @@ from kernels.matmul import BlockSizes, matmul, matmul_reference, quantized_matmu
 from kernels.attention import BlockSizes as AttentionBlockSizes, attention_reference, flash_attention
 from kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.scan import BlockSizes as ScanBlockSizes, linear_scan, linear_scan_reference
-from kernels.fft import fft, fft2, ifft, ifft2, irfft, irfft2, rfft, rfft2
+from kernels.fft import fft, fft2, fft_conv, fft_conv_reference, ifft, ifft2, irfft, irfft2, rfft, rfft2
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
@@ -25,7 +25,7 @@ __all__ = [
     "AttentionBlockSizes", "attention_reference", "flash_attention",
     "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
     "ScanBlockSizes", "linear_scan", "linear_scan_reference",
-    "fft", "fft2", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2",
+    "fft", "fft2", "fft_conv", "fft_conv_reference", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",

@@ -90,30 +90,42 @@ from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, check
 from kernels.hardware import get_chip
 
-__all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "PRECISIONS", "supported_length"]
+__all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "fft_conv", "fft_conv_reference",
+           "PRECISIONS", "block_max", "supported_length"]
 
 PRECISIONS = ("bfloat16", "high", "highest")
 NORMS = (None, "backward", "ortho", "forward")
 LANES = 128
 DENSE_MAX = 512  # one dense stage up to here
 TWO_STAGE_MAX = 128 * 512  # S = N / 128 <= 512
-MAX_LENGTH = TWO_STAGE_MAX * TWO_STAGE_MAX
 
 
-def supported_length(n: int) -> bool:
-  """True when the Pallas kernel takes length ``n`` (else the XLA fallback serves it)."""
-  if n <= DENSE_MAX:
-    return n >= 1
-  if n <= TWO_STAGE_MAX:
-    return n % LANES == 0
-  return _long_split(n) is not None
+def block_max(chip=None) -> int:
+  """The longest two-stage length whose 8-row block fits ``chip``'s VMEM (65536, or 16384 on v4's 16 MiB)."""
+  c = get_chip(chip or "v5e")
+  usable = ((c.vmem_bytes - (1 << 20)) / 1.25) * 0.9
+  return max(DENSE_MAX, min(TWO_STAGE_MAX, int(usable // (8 * _vmem_per_row(1))) // LANES * LANES))
 
 
-def _long_split(n: int):
-  """``(N1, N2)`` with ``N1 * N2 = n``, both kernel lengths, as balanced as possible; or None."""
+def _block_length(n: int, nmax: int) -> bool:
+  return 1 <= n <= DENSE_MAX or (n % LANES == 0 and n <= nmax)
+
+
+def supported_length(n: int, chip=None) -> bool:
+  """True when the Pallas kernel takes length ``n`` on ``chip`` (else the XLA fallback serves it):
+  ``n <= 512``, or a multiple of 128 up to :func:`block_max` in one call, or a product of two such
+  lengths (two calls)."""
+  nmax = block_max(chip)
+  return _block_length(n, nmax) or _long_split(n, nmax) is not None
+
+
+@functools.lru_cache(maxsize=256)
+def _long_split(n: int, nmax: int | None = None):
+  """``(N1, N2)`` with ``N1 * N2 = n``, both one-call lengths, as balanced as possible; or None."""
+  nmax = nmax or block_max()
   best = None
-  for n1 in range(LANES, TWO_STAGE_MAX + 1, LANES):
-    if n % n1 == 0 and n // n1 > DENSE_MAX and (n // n1) % LANES == 0 and n // n1 <= TWO_STAGE_MAX:
+  for n1 in range(2, min(n, nmax) + 1):
+    if n % n1 == 0 and _block_length(n1, nmax) and _block_length(n // n1, nmax):
       if best is None or abs(math.log(n1 / (n // n1))) < abs(math.log(best[0] / best[1])):
         best = (n1, n // n1)
   return best
@@ -131,15 +143,17 @@ def _phase(n: int, a, b, inverse: bool):
   return np.cos(ang), np.sin(ang)
 
 
+_PARTS = {"bfloat16": 1, "high": 2, "highest": 3}  # bf16 pieces per operand
+
+
 def _split(m: np.ndarray, precision: str) -> tuple:
-  """One matrix as the kernel's operands in ``precision``: f32; bf16; or bf16 (hi, lo)."""
-  if precision == "highest":
-    return (m.astype(np.float32),)
-  hi = m.astype(jnp.bfloat16)
-  if precision == "bfloat16":
-    return (hi,)
-  lo = (m - hi.astype(np.float64)).astype(jnp.bfloat16)
-  return (hi, lo)
+  """One matrix as the kernel's operands in ``precision``: 1, 2 or 3 bf16 pieces summing to it."""
+  parts, rest = [], np.asarray(m, np.float64)
+  for _ in range(_PARTS[precision]):
+    part = rest.astype(np.float32).astype(jnp.bfloat16)
+    parts.append(part)
+    rest = rest - part.astype(np.float64)
+  return tuple(parts)
 
 
 def _gauss(fr: np.ndarray, fi: np.ndarray, precision: str) -> tuple:
@@ -172,17 +186,32 @@ def _matrices(n: int, inverse: bool, scale: float, precision: str) -> tuple:
 
 
 def _dot(a, mats, precision: str, left: bool):
-  """``m @ a`` (left) or ``a @ m`` for f32 data ``a`` and one matrix split for ``precision``."""
-  def mm(x, m, prec=None):
-    return jnp.dot(m, x, precision=prec, preferred_element_type=jnp.float32) if left else \
-        jnp.dot(x, m, precision=prec, preferred_element_type=jnp.float32)
-  if precision == "highest":
-    return mm(a, mats[0], lax.Precision.HIGHEST)
-  hi = a.astype(jnp.bfloat16)
+  """``m @ a`` (left) or ``a @ m`` for f32 data ``a`` and a matrix given as bf16 pieces ``mats``.
+
+  The data is split the same way (``a = a1 + a2 + a3``, each bf16) and the products whose
+  pieces' scales add to at most 2^-16 (bf16x3) or 2^-24 (bf16x6) are summed, smallest first;
+  each is one bf16 MXU pass with f32 accumulation.
+  """
+  def mm(x, m):
+    return jnp.dot(m, x, preferred_element_type=jnp.float32) if left else \
+        jnp.dot(x, m, preferred_element_type=jnp.float32)
+  parts, rest = [], a
+  for i in range(_PARTS[precision]):
+    if i + 1 < _PARTS[precision]:  # the top 16 bits: exactly a bf16; the rest exactly an f32
+      top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                     jnp.float32)
+      parts.append(top.astype(jnp.bfloat16))
+      rest = rest - top
+    else:
+      parts.append(rest.astype(jnp.bfloat16))
   if precision == "bfloat16":
-    return mm(hi, mats[0])
-  lo = (a - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-  return mm(hi, mats[0]) + (mm(lo, mats[0]) + mm(hi, mats[1]))
+    return mm(parts[0], mats[0])
+  if precision == "high":
+    return mm(parts[0], mats[0]) + (mm(parts[1], mats[0]) + mm(parts[0], mats[1]))
+  a1, a2, a3 = parts
+  m1, m2, m3 = mats
+  small = (mm(a1, m3) + mm(a3, m1)) + mm(a2, m2)
+  return mm(a1, m1) + ((mm(a1, m2) + mm(a2, m1)) + small)
 
 
 def _cmul_mat(xr, xi, g, precision: str, left: bool):
@@ -236,10 +265,10 @@ def _vmem_per_row(n: int) -> int:
 
 def block_rows(batch: int, n: int, chip=None) -> int:
   """Rows per grid step: a multiple of 8 (or the whole batch) whose VMEM plan fits ``chip``,
-  at most 8 for the two-stage kernel (its stage-1 loop is unrolled per row) and 256 for one stage."""
+  at most 16 for the two-stage kernel (its stage-1 loop is unrolled per row) and 256 for one stage."""
   c = get_chip(chip or "v5e")
   budget = min(c.vmem_bytes // 2, 48 << 20)
-  cap = 8 if n > DENSE_MAX else 256
+  cap = 16 if n > DENSE_MAX else 256
   r = max(8, min(cap, budget // _vmem_per_row(n) // 8 * 8))
   return batch if batch <= r else r
 
@@ -292,7 +321,7 @@ def _long_rows(xr, xi, *, inverse, scale, precision, interpret, split=None):
   ``X[c + N1 d] = sum_b W_N2^(b d) W_N^(b c) sum_a W_N1^(a c) x[N2 a + b]``.
   """
   batch, n = xr.shape
-  n1, n2 = split or _long_split(n)
+  n1, n2 = split or _long_split(n, block_max(target_chip()))
   xr = jnp.swapaxes(xr.reshape(batch, n1, n2), 1, 2).reshape(batch * n2, n1)
   xi = jnp.swapaxes(xi.reshape(batch, n1, n2), 1, 2).reshape(batch * n2, n1)
   yr, yi = _fft_rows(xr, xi, inverse=inverse, scale=1.0, precision=precision, interpret=interpret)  # [(B, b), c]
@@ -309,7 +338,7 @@ def _long_rows(xr, xi, *, inverse, scale, precision, interpret, split=None):
 
 
 def _transform(xr, xi, *, inverse, scale, precision, interpret):
-  if xr.shape[-1] > TWO_STAGE_MAX:
+  if xr.shape[-1] > block_max(target_chip()):
     return _long_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
   return _fft_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
 
@@ -401,9 +430,10 @@ def _resize(v, n: int, axis: int):
 
 def _pallas_1d(xr, xi, *, n, axis, inverse, scale, precision, interpret):
   """Planes in, planes out, along ``axis`` (length ``n`` after padding), through the kernel."""
-  if not supported_length(n):
+  chip = target_chip()
+  if not supported_length(n, chip):
     raise NotImplementedError(f"the Pallas FFT takes lengths <= {DENSE_MAX}, multiples of {LANES} up to "
-                              f"{TWO_STAGE_MAX} and products of two such multiples; not n={n}")
+                              f"{block_max(chip)} and products of two such lengths; not n={n}")
   xr, xi = (_resize(v.astype(jnp.float32), n, axis) for v in (xr, xi))
   xr, xi = jnp.moveaxis(xr, axis, -1), jnp.moveaxis(xi, axis, -1)
   shape = xr.shape
@@ -586,3 +616,61 @@ def irfft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implemen
   for i in range(len(axes) - 1):
     x = ifft(x, None if s is None else s[i], axes[i], norm, **kw)
   return irfft(x, None if s is None else s[-1], axes[-1], norm, **kw)
+
+
+# ---------------------------------------------------------------------------------
+# Long convolution
+# ---------------------------------------------------------------------------------
+
+
+def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementation=None, interpret=None):
+  """A long convolution of ``u`` ``[batch, channels, seq]`` with a per-channel filter ``k``
+  ``[channels, seq]`` by FFT, as in Hyena and FlashFFTConv: ``y = u * k (+ u * bias)``.
+
+  ``causal=True`` is the linear convolution ``y[t] = sum_{j <= t} k[j] u[t - j]`` (both
+  zero-padded to ``2 * seq``, so nothing wraps around); ``causal=False`` the circular one of
+  length ``seq``. ``bias`` (``[channels]``, Hyena's ``D``) adds ``bias[c] * u``.
+
+  Both signals are real, so two batch halves ride in one complex transform: ``z = u[:B/2] +
+  i u[B/2:]``; ``ifft(fft(z) * fft(k))`` is ``u[:B/2] * k + i (u[B/2:] * k)`` because ``k`` is
+  real. The transforms are the kernels above; the pointwise product and the split run in XLA
+  between the calls (not one fused kernel: see the notebook). Differentiable in ``u``, ``k``
+  and ``bias`` (the transforms' VJPs are the conjugate transforms).
+
+  Returns:
+    ``[batch, channels, seq]`` float32.
+  """
+  check(_is_array(u) and u.ndim == 3, "u", u, "must be a [batch, channels, seq] real array")
+  check(_is_array(k) and k.ndim == 2, "k", k, "must be a [channels, seq] real array")
+  for name, v in (("u", u), ("k", k)):
+    check(jnp.issubdtype(v.dtype, jnp.floating), name, v, f"must be real floating point, not {jnp.dtype(v.dtype).name}")
+  b, c, t = u.shape
+  check(tuple(k.shape) == (c, t), "k", k, f"must have shape {(c, t)} ([channels, seq] of u)")
+  if bias is not None:
+    check(_is_array(bias) and tuple(bias.shape) == (c,), "bias", bias, f"must have shape {(c,)} ([channels])")
+  check(isinstance(causal, bool), "causal", causal, "must be True or False")
+  n = 2 * t if causal else t
+  kw = dict(precision=precision, implementation=implementation, interpret=interpret)
+  u32, k32 = u.astype(jnp.float32), k.astype(jnp.float32)
+  half = (b + 1) // 2
+  lo, hi = u32[:half], u32[half:]
+  if hi.shape[0] < half:  # odd batch: the last imaginary row is zeros
+    hi = jnp.pad(hi, ((0, half - hi.shape[0]), (0, 0), (0, 0)))
+  kr, ki = fft((k32, jnp.zeros_like(k32)), n=n, **kw)
+  zr, zi = fft((lo, hi), n=n, **kw)
+  pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
+  yr, yi = ifft((pr, pi), **kw)
+  y = jnp.concatenate([yr[..., :t], yi[..., :t]], axis=0)[:b]
+  if bias is not None:
+    y = y + u32 * bias.astype(jnp.float32)[:, None]
+  return y
+
+
+def fft_conv_reference(u, k, *, causal=True, bias=None):
+  """:func:`fft_conv` with ``jnp.fft.rfft`` / ``irfft`` (XLA's FFT): the composition it is benchmarked against."""
+  t = u.shape[-1]
+  n = 2 * t if causal else t
+  y = jnp.fft.irfft(jnp.fft.rfft(u.astype(jnp.float32), n=n) * jnp.fft.rfft(k.astype(jnp.float32), n=n), n=n)[..., :t]
+  if bias is not None:
+    y = y + u.astype(jnp.float32) * bias.astype(jnp.float32)[:, None]
+  return y
