@@ -29,7 +29,7 @@ AOT_SMOKE = (
     "tests/test_attention.py::test_aot_forward_and_backward_at_defaults[v5e]",
     "tests/test_norm.py::test_aot_compiles_forward_and_backward[v5p]",
     "tests/test_scan.py::test_aot_compiles_forward_and_backward[v6e]",
-    "tests/test_fft.py::test_aot_compiles_forward_and_backward[v5e]",
+    "tests/test_fft.py::test_aot_compiles_forward_and_backward[v5e-paths]",
 )
 
 # Scheduling. xdist (`--dist loadgroup`) hands tests out one at a time, in collection order, to
