@@ -55,7 +55,7 @@ CASES = {  # name: (full rows, estimated rows, n)
     "fft65536": (16, 16, 65536),
 }
 CONV = (8, 768, 8192)  # batch, channels, seq
-CONV_SLICE = (2, 96)  # estimated batch, channels (full / slice = 32)
+CONV_SLICE = (2, 24)  # estimated batch, channels (full / slice = 128)
 KERNEL_VERSION = 1
 HIGHEST = lax.Precision.HIGHEST
 
@@ -159,6 +159,22 @@ def _configs(generations):
         yield dict(generation=gen, case="conv", impl=impl, mode=mode)
 
 
+def _run_capped(cfg, max_gb: float) -> dict:
+  """The ``one`` job in a child process, stopped if its resident memory passes ``max_gb``."""
+  import subprocess  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  while proc.poll() is None:
+    if result_tables.rss_gb(proc.pid) > max_gb:
+      proc.kill()
+      proc.wait()
+      return {"error": f"stopped: the estimate passed {max_gb} GB of RAM"}
+    time.sleep(0.5)
+  lines = [ln for ln in proc.stdout.read().splitlines() if ln.startswith("{")]
+  return json.loads(lines[-1]) if lines else {"error": f"exit {proc.returncode}"}
+
+
 def _key(cfg):
   return "/".join(str(cfg[k]) for k in ("generation", "case", "impl", "precision", "mode") if k in cfg)
 
@@ -183,7 +199,7 @@ def bench(args):
       continue
     if args.only and not any(o in key for o in args.only):
       continue
-    r = result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
+    r = _run_capped(cfg, args.max_gb)
     r.update(cfg, kernel=KERNEL_VERSION)
     if "us" in r:
       r["roofline_us"] = round(_roofline_us(cfg, cfg["generation"]), 3)
@@ -199,6 +215,7 @@ def main(argv=None):
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--only", nargs="*", default=None, help="only keys containing one of these strings")
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--max-gb", type=float, default=4.0, help="stop an estimate whose RAM passes this")
   args = ap.parse_args(argv)
   if args.job == "one":
     result_tables.print_result(estimate, args.config)
