@@ -18,6 +18,7 @@ from kernels.ssd import (BlockSizes as SsdBlockSizes, gated_linear_attention, ga
 from kernels.parallel_scan import parallel_scan, parallel_scan_reference  # (the names shadow the module: see it)
 from kernels.gmm import GmmBlockSizes, gmm, gmm_reference, tgmm, tgmm_reference
 from kernels.moe import Routing, expert_capacity, moe, moe_reference, route
+from kernels.fft import fft, fft2, fft_conv, fft_conv_reference, ifft, ifft2, irfft, irfft2, rfft, rfft2
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
@@ -36,6 +37,7 @@ __all__ = [
     "parallel_scan", "parallel_scan_reference",
     "GmmBlockSizes", "gmm", "gmm_reference", "tgmm", "tgmm_reference",
     "Routing", "expert_capacity", "moe", "moe_reference", "route",
+    "fft", "fft2", "fft_conv", "fft_conv_reference", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",

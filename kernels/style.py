@@ -22,7 +22,7 @@ import re
 # name: (colour, marker, aliases). The name is also the legend label.
 _STYLES = {
     "ours": ("#0072B2", "o", ("pallas", "kernels", "our kernel", "this package")),
-    "XLA": ("#E69F00", "s", ("jnp", "xla reference", "reference")),
+    "XLA": ("#E69F00", "s", ("jnp", "xla reference", "reference", "jnp.fft", "jnp fft", "xla fft")),
     "JAX flash_attention": ("#009E73", "^", ("jax flash", "jax fa", "flash attention jax")),
     "splash": ("#CC79A7", "D", ("jax splash", "splash attention")),
     "JAX Pallas matmul": ("#882255", "v", ("jax pallas", "pallas guide matmul", "guide matmul")),
@@ -34,7 +34,9 @@ _STYLES = {
     "ragged_dot": ("#332288", "p", ("lax ragged dot",)),
     "dense capacity einsum": ("#44AA99", "d", ("capacity einsum", "dense einsum")),
     "tokamax": ("#DDCC77", "*", ("tokamax layer_norm",)),
-    "MaxText": ("#88CCEE", "8", ("maxtext rope",)),
+    "MaxText": ("#EE3377", "x", ("maxtext rope",)),
+    "DFT matmul (FNet)": ("#D55E00", "8", ("dft matmul", "fnet", "dense dft")),
+    "two-stage plain JAX": ("#88CCEE", "H", ("two stage jax", "plain jax two stage", "four step jax")),
     "roofline": ("#000000", None, ()),
     "HBM floor": ("#777777", None, ("copy", "hbm copy")),
 }

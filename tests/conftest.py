@@ -34,6 +34,7 @@ AOT_SMOKE = (
     "tests/test_parallel_scan.py::test_aot_compiles_forward_and_backward[v5e]",
     "tests/test_gmm.py::test_aot_compiles_forward_and_backward[v4]",
     "tests/test_moe.py::test_aot_compiles_forward_and_backward[v5e]",
+    "tests/test_fft.py::test_aot_compiles_forward_and_backward[v5e-paths]",
 )
 
 # Scheduling. xdist (`--dist loadgroup`) hands tests out one at a time, in collection order, to

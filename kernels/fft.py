@@ -1,0 +1,690 @@
+"""Discrete Fourier transforms on the MXU, in Pallas: ``fft``, ``ifft``, ``rfft``, ``irfft`` and 2-D.
+
+A TPU has no butterfly unit; its matrix unit (MXU: 128 x 128 on v4/v5e/v5p, 256 x 256 on
+v6e) multiplies dense matrices. So, as FNet and Lu et al. ("Large-scale discrete Fourier
+transform on TPUs") do, these kernels compute the DFT as matrix products: a length-``N``
+transform of a batch of rows is factored (Cooley-Tukey, "four-step") into small dense DFT
+matrices that fit the MXU, with the twiddle factors multiplied on the VPU between them.
+
+How the kernel works
+--------------------
+
+*Layout.* The native data is a pair of float32 planes, ``(real, imag)``, each
+``[rows, N]``. complex64 arrays are split into planes (and joined back) by XLA, which costs
+one pass over memory each way: pass planes to avoid it. A grid step takes a block of ``R``
+rows of both planes into VMEM, transforms them there, and writes the ``R`` output rows:
+HBM is read once and written once.
+
+*Two stages* (``N = S * 128``, ``512 < N <= 65536``). Inside the block each row is viewed
+as a matrix ``A[s, f]`` with ``n = 128 s + f``: 128 lanes of ``f``, ``S`` sublanes of ``s``
+(the reshape ``[R, N] -> [R, S, 128]`` is a relayout in VMEM, not an HBM transpose). With
+``k = S k1 + k2`` (``k1 < 128``, ``k2 < S``)::
+
+    X[S k1 + k2] = sum_f W_128^(f k1) * W_N^(f k2) * sum_s W_S^(s k2) A[s, f]
+
+1. stage 1: ``Y[r] = F_S @ A[r]`` for each row ``r`` (an ``S``-point DFT down the sublanes,
+   one ``[S, S] x [S, 128]`` matmul per row; unrolled over the rows up to ``S = 128``, where
+   the cost model puts a rolled loop 25-40% slower, and a ``fori_loop`` above, where each
+   row's matmuls are long and the unrolled kernel took minutes to compile);
+2. the twiddle ``Y[k2, f] *= W_N^(f k2)`` on the VPU (the ``norm`` scale is folded into it);
+3. stage 2: ``Z = Y.reshape(R * S, 128) @ F_128``, one matmul whose M dimension is every
+   row of the block (the shape the MXU likes best: a constant 128 x 128 weight, many rows);
+4. ``out[r] = Z[r].T``: ``Z[r, k2, k1]`` belongs at ``k = S k1 + k2``, so the transpose of
+   each ``[S, 128]`` matrix (the XLU's job), read back as ``[R, N]``, is the output in
+   natural order. No digit reversal is ever stored.
+
+*One stage* (``N <= 512``, any length): ``X = A @ F_N``, a dense DFT matmul on the block.
+
+*Why 128-point stages, not radix-2 butterflies.* A radix-2 stage is 5 flops per complex
+element for 16 bytes of traffic, done ``log2 N`` times on the VPU; a 128-point stage as a
+matmul is ~1000 flops per element on the MXU, whose rate is ~50x the VPU's. Two matmul
+stages do more arithmetic than a butterfly FFT but keep it on the unit built for it, and
+never leave VMEM between stages.
+
+*Complex products: 3 real matmuls (Gauss), not 4.* ``(Xr + i Xi) @ (Fr + i Fi)`` is
+``P1 = (Xr + Xi) @ Fr``, ``P2 = Xr @ (Fi - Fr)``, ``P3 = Xi @ (Fr + Fi)``, real part
+``P1 - P3``, imaginary ``P1 + P2``. The matrix sums are precomputed; the data sum is one
+VPU add per element. The MXU is the bottleneck at 128-point stages, and every precision
+pass multiplies its work, so one product saved is 25% of the matmul time in every mode
+(the sums cost a little accuracy: the observed errors are in the tests and notebook).
+
+*Precision* (``precision=``): ``"bfloat16"``, one bf16 pass (data and matrices rounded to
+bf16, f32 accumulation; relative error ~3e-3); ``"high"``, bf16x3 (each operand split into
+a bf16 high and low part, ``hi*hi + hi*lo + lo*hi``; ~1e-5); ``"highest"`` (default), an
+f32 matmul at ``Precision.HIGHEST`` (Mosaic's 6-pass bf16 emulation of f32; ~1e-6, the
+error of ``jnp.fft`` on TPU).
+
+*Matrices.* The DFT matrices, their Gauss sums, the twiddles and their bf16 splits are
+built in float64 NumPy once per ``(N, direction, scale, precision)`` and cached
+(:func:`_matrices`); a call passes them to the kernel as inputs with a constant block
+index, so each is DMAed to VMEM once per kernel launch.
+
+*Longer transforms* (``N > 65536``, up to ``2^20`` and beyond): ``N = N1 * N2`` with both
+halves handled by the kernel above; the same four-step factorisation one level up, with
+the transposes and the twiddle done by XLA between two kernel calls (several HBM round
+trips: the data no longer fits a VMEM block).
+
+*Other lengths.* The kernel takes any ``N <= 512`` and any multiple of 128 up to 65536
+(so lengths with factors 2, 3, 5, 7 are covered in those ranges); others raise
+``NotImplementedError`` from the Pallas path, and ``implementation=None`` falls back to
+``jnp.fft`` (XLA).
+
+*Backward* (``custom_vjp``). A DFT is linear: on the real planes the transpose of
+``x -> c F x`` is ``g -> c conj(F) g``, the same kernel in the other direction with the
+same scale. complex64 inputs go through the planes, so JAX's complex convention comes out
+right by itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import tiling
+from kernels.backend import dispatch, target_chip
+from kernels.errors import KernelError, check
+from kernels.hardware import get_chip
+
+__all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "fft_conv", "fft_conv_reference",
+           "PRECISIONS", "block_max", "supported_length"]
+
+PRECISIONS = ("bfloat16", "high", "highest")
+NORMS = (None, "backward", "ortho", "forward")
+LANES = 128
+DENSE_MAX = 512  # one dense stage up to here
+LOOP_ABOVE = 128  # stage 1 is a loop over rows (not unrolled) above this S
+TWO_STAGE_MAX = 128 * 512  # S = N / 128 <= 512
+
+
+def block_max(chip=None) -> int:
+  """The longest two-stage length whose 8-row block fits ``chip``'s VMEM (65536, or 16384 on v4's 16 MiB)."""
+  c = get_chip(chip or "v5e")
+  usable = ((c.vmem_bytes - (1 << 20)) / 1.25) * 0.9
+  return max(DENSE_MAX, min(TWO_STAGE_MAX, int(usable // (8 * _vmem_per_row(1))) // LANES * LANES))
+
+
+def _block_length(n: int, nmax: int) -> bool:
+  return 1 <= n <= DENSE_MAX or (n % LANES == 0 and n <= nmax)
+
+
+def supported_length(n: int, chip=None) -> bool:
+  """True when the Pallas kernel takes length ``n`` on ``chip`` (else the XLA fallback serves it):
+  ``n <= 512``, or a multiple of 128 up to :func:`block_max` in one call, or a product of two such
+  lengths (two calls)."""
+  nmax = block_max(chip)
+  return _block_length(n, nmax) or _long_split(n, nmax) is not None
+
+
+@functools.lru_cache(maxsize=256)
+def _long_split(n: int, nmax: int | None = None):
+  """``(N1, N2)`` with ``N1 * N2 = n``, both one-call lengths, as balanced as possible; or None."""
+  nmax = nmax or block_max()
+  best = None
+  for n1 in range(2, min(n, nmax) + 1):
+    if n % n1 == 0 and _block_length(n1, nmax) and _block_length(n // n1, nmax):
+      if best is None or abs(math.log(n1 / (n // n1))) < abs(math.log(best[0] / best[1])):
+        best = (n1, n // n1)
+  return best
+
+
+# ---------------------------------------------------------------------------------
+# Precomputed matrices (float64 NumPy, cached)
+# ---------------------------------------------------------------------------------
+
+
+def _phase(n: int, a, b, inverse: bool):
+  """``exp(-+2 pi i a b / n)`` in float64, with ``a b`` reduced mod ``n`` in integers."""
+  ab = (np.asarray(a, np.int64) * np.asarray(b, np.int64)) % n
+  ang = (2 * np.pi / n) * ab * (1 if inverse else -1)
+  return np.cos(ang), np.sin(ang)
+
+
+_PARTS = {"bfloat16": 1, "high": 2, "highest": 3}  # bf16 pieces per operand
+
+
+def _split(m: np.ndarray, precision: str) -> tuple:
+  """One matrix as the kernel's operands in ``precision``: 1, 2 or 3 bf16 pieces summing to it."""
+  parts, rest = [], np.asarray(m, np.float64)
+  for _ in range(_PARTS[precision]):
+    part = rest.astype(np.float32).astype(jnp.bfloat16)
+    parts.append(part)
+    rest = rest - part.astype(np.float64)
+  return tuple(parts)
+
+
+def _gauss(fr: np.ndarray, fi: np.ndarray, precision: str) -> tuple:
+  """The three matrices of a Gauss complex product, ``(Fr, Fi - Fr, Fr + Fi)``, split for ``precision``."""
+  return tuple(_split(m, precision) for m in (fr, fi - fr, fr + fi))
+
+
+@functools.lru_cache(maxsize=64)
+def _matrices(n: int, inverse: bool, scale: float, precision: str) -> tuple:
+  """The kernel's constant inputs for length ``n``: (stage-1 DFT, twiddle planes, stage-2 DFT),
+  each DFT as Gauss triples of split matrices. The ``norm`` scale multiplies the last step
+  that is not a matmul operand split (the twiddle; the dense DFT itself with one stage)."""
+  if n <= DENSE_MAX:
+    j = np.arange(n)
+    fr, fi = _phase(n, j[:, None], j[None, :], inverse)
+    return (_gauss(fr * scale, fi * scale, precision),)
+  s = n // LANES
+  j = np.arange(s)
+  f1 = _gauss(*_phase(s, j[:, None], j[None, :], inverse), precision)
+  tr, ti = _phase(n, np.arange(s)[:, None], np.arange(LANES)[None, :], inverse)  # [k2, f]
+  tw = (np.asarray(tr * scale, np.float32), np.asarray(ti * scale, np.float32))
+  j = np.arange(LANES)
+  f2 = _gauss(*_phase(LANES, j[:, None], j[None, :], inverse), precision)
+  return (f1, tw, f2)
+
+
+# ---------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------
+
+
+def _dot(a, mats, precision: str, left: bool):
+  """``m @ a`` (left) or ``a @ m`` for f32 data ``a`` and a matrix given as bf16 pieces ``mats``.
+
+  The data is split the same way (``a = a1 + a2 + a3``, each bf16) and the products whose
+  pieces' scales add to at most 2^-16 (bf16x3) or 2^-24 (bf16x6) are summed, smallest first;
+  each is one bf16 MXU pass with f32 accumulation.
+  """
+  def mm(x, m):
+    return jnp.dot(m, x, preferred_element_type=jnp.float32) if left else \
+        jnp.dot(x, m, preferred_element_type=jnp.float32)
+  parts, rest = [], a
+  for i in range(_PARTS[precision]):
+    if i + 1 < _PARTS[precision]:  # the top 16 bits: exactly a bf16; the rest exactly an f32
+      top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                     jnp.float32)
+      parts.append(top.astype(jnp.bfloat16))
+      rest = rest - top
+    else:
+      parts.append(rest.astype(jnp.bfloat16))
+  if precision == "bfloat16":
+    return mm(parts[0], mats[0])
+  if precision == "high":
+    return mm(parts[0], mats[0]) + (mm(parts[1], mats[0]) + mm(parts[0], mats[1]))
+  a1, a2, a3 = parts
+  m1, m2, m3 = mats
+  small = (mm(a1, m3) + mm(a3, m1)) + mm(a2, m2)
+  return mm(a1, m1) + ((mm(a1, m2) + mm(a2, m1)) + small)
+
+
+def _cmul_mat(xr, xi, g, precision: str, left: bool):
+  """Complex ``F @ X`` (left) or ``X @ F`` with Gauss's three real products; ``g`` = (Fr, Fi-Fr, Fr+Fi)."""
+  p1 = _dot(xr + xi, g[0], precision, left)
+  p2 = _dot(xr, g[1], precision, left)
+  p3 = _dot(xi, g[2], precision, left)
+  return p1 - p3, p1 + p2
+
+
+def _kernel(*refs, n: int, rows: int, precision: str, layout):
+  """One block of ``rows`` rows: refs are the matrices (flattened by ``layout``), x planes, out planes, scratch."""
+  nm = sum(layout)
+  mats, (xr_ref, xi_ref, or_ref, oi_ref), scratch = refs[:nm], refs[nm:nm + 4], refs[nm + 4:]
+  vals = [m[...] for m in mats]
+  groups, i = [], 0
+  for c in layout:
+    groups.append(vals[i:i + c])
+    i += c
+  k = len(_split(np.zeros(1), precision))
+
+  def gauss(flat):
+    return tuple(tuple(flat[j * k:(j + 1) * k]) for j in range(3))
+
+  if n <= DENSE_MAX:
+    yr, yi = _cmul_mat(xr_ref[...], xi_ref[...], gauss(groups[0]), precision, left=False)
+    or_ref[...] = yr
+    oi_ref[...] = yi
+    return
+  s = n // LANES
+  f1, f2 = gauss(groups[0]), gauss(groups[2])
+  tr, ti = groups[1]
+  yr_ref, yi_ref = scratch
+  def stage1(ar, ai):  # an S-point DFT down the sublanes of one row, then the twiddle (times the norm scale)
+    yr, yi = _cmul_mat(ar, ai, f1, precision, left=True)
+    return yr * tr - yi * ti, yr * ti + yi * tr
+
+  if s <= LOOP_ABOVE:  # unrolled: the MXU work of consecutive rows overlaps
+    ar = xr_ref[...].reshape(rows, s, LANES)
+    ai = xi_ref[...].reshape(rows, s, LANES)
+    for r in range(rows):
+      yr_ref[r], yi_ref[r] = stage1(ar[r], ai[r])
+  else:  # a loop over rows in place (each row's matmuls are long enough; the compile stays small)
+    yr_ref[...] = xr_ref[...].reshape(rows, s, LANES)
+    yi_ref[...] = xi_ref[...].reshape(rows, s, LANES)
+
+    def body(r, carry):
+      yr_ref[r], yi_ref[r] = stage1(yr_ref[r], yi_ref[r])
+      return carry
+    lax.fori_loop(0, rows, body, 0, unroll=2)
+  yr = yr_ref[...].reshape(rows * s, LANES)
+  yi = yi_ref[...].reshape(rows * s, LANES)
+  zr, zi = _cmul_mat(yr, yi, f2, precision, left=False)  # stage 2: 128-point DFTs, M = every row
+  or_ref[...] = jnp.swapaxes(zr.reshape(rows, s, LANES), 1, 2).reshape(rows, n)
+  oi_ref[...] = jnp.swapaxes(zi.reshape(rows, s, LANES), 1, 2).reshape(rows, n)
+
+
+def _vmem_per_row(n: int) -> int:
+  """VMEM bytes a block row needs: 4 planes double-buffered + the stage scratch and temporaries."""
+  return 4 * n * (4 * 2 + 2 + 8)
+
+
+def block_rows(batch: int, n: int, chip=None) -> int:
+  """Rows per grid step: a multiple of 8 (or the whole batch) whose VMEM plan fits ``chip``,
+  at most 16 for the two-stage kernel (its stage-1 loop is unrolled per row) and 256 for one stage."""
+  c = get_chip(chip or "v5e")
+  budget = min(c.vmem_bytes // 2, 48 << 20)
+  cap = 16 if n > DENSE_MAX else 256
+  r = max(8, min(cap, budget // _vmem_per_row(n) // 8 * 8))
+  return batch if batch <= r else r
+
+
+def _mat_inputs(n, inverse, scale, precision):
+  mats = _matrices(n, inverse, scale, precision)
+  flat, layout = [], []
+  for group in mats:
+    if isinstance(group[0], tuple):  # a Gauss triple of split matrices
+      items = [m for part in group for m in part]
+    else:
+      items = list(group)
+    flat += items
+    layout.append(len(items))
+  return [jnp.asarray(m) for m in flat], tuple(layout)
+
+
+def _fft_rows(xr, xi, *, inverse: bool, scale: float, precision: str, interpret):
+  """The kernel on ``[B, N]`` f32 planes (N a kernel length), no autodiff."""
+  batch, n = xr.shape
+  chip = target_chip()
+  rows = block_rows(batch, n, chip)
+  mats, layout = _mat_inputs(n, inverse, scale, precision)
+  full = lambda m: pl.BlockSpec(m.shape, lambda i: (0,) * m.ndim)  # noqa: E731
+  row = pl.BlockSpec((rows, n), lambda i: (i, 0))
+  scratch = [] if n <= DENSE_MAX else [pltpu.VMEM((rows, n // LANES, LANES), jnp.float32)] * 2
+  mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
+  need = _vmem_per_row(n) * rows + 2 * mat_bytes
+  limit = tiling.vmem_limit(need, chip or "v5e", argument="n", value=n)
+  passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
+  s = 1 if n <= DENSE_MAX else n // LANES
+  flops = 3 * 2 * batch * n * (n if n <= DENSE_MAX else (s + LANES)) * passes
+  out = pl.pallas_call(
+      functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout),
+      grid=(tiling.cdiv(batch, rows),),
+      in_specs=[full(m) for m in mats] + [row, row],
+      out_specs=[row, row],
+      out_shape=[jax.ShapeDtypeStruct((batch, n), jnp.float32)] * 2,
+      scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=16 * batch * n + mat_bytes),
+      interpret=interpret, name="ifft" if inverse else "fft")(*mats, xr, xi)
+  return out[0], out[1]
+
+
+def _long_rows(xr, xi, *, inverse, scale, precision, interpret, split=None):
+  """``N = N1 * N2`` beyond one block: four-step with XLA transposes between two kernel calls.
+
+  With ``n = N2 a + b`` (``a < N1``, ``b < N2``) and ``k = c + N1 d``:
+  ``X[c + N1 d] = sum_b W_N2^(b d) W_N^(b c) sum_a W_N1^(a c) x[N2 a + b]``.
+  """
+  batch, n = xr.shape
+  n1, n2 = split or _long_split(n, block_max(target_chip()))
+  xr = jnp.swapaxes(xr.reshape(batch, n1, n2), 1, 2).reshape(batch * n2, n1)
+  xi = jnp.swapaxes(xi.reshape(batch, n1, n2), 1, 2).reshape(batch * n2, n1)
+  yr, yi = _fft_rows(xr, xi, inverse=inverse, scale=1.0, precision=precision, interpret=interpret)  # [(B, b), c]
+  tr, ti = _phase(n, np.arange(n2)[:, None], np.arange(n1)[None, :], inverse)  # [b, c]
+  tr, ti = jnp.asarray(tr * scale, jnp.float32), jnp.asarray(ti * scale, jnp.float32)
+  yr, yi = yr.reshape(batch, n2, n1), yi.reshape(batch, n2, n1)
+  yr, yi = yr * tr - yi * ti, yr * ti + yi * tr
+  yr = jnp.swapaxes(yr, 1, 2).reshape(batch * n1, n2)
+  yi = jnp.swapaxes(yi, 1, 2).reshape(batch * n1, n2)
+  zr, zi = _fft_rows(yr, yi, inverse=inverse, scale=1.0, precision=precision, interpret=interpret)  # [(B, c), d]
+  zr = jnp.swapaxes(zr.reshape(batch, n1, n2), 1, 2).reshape(batch, n)
+  zi = jnp.swapaxes(zi.reshape(batch, n1, n2), 1, 2).reshape(batch, n)
+  return zr, zi
+
+
+def _transform(xr, xi, *, inverse, scale, precision, interpret):
+  if xr.shape[-1] > block_max(target_chip()):
+    return _long_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
+  return _fft_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _planes(xr, xi, inverse, scale, precision, interpret):
+  return _transform(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
+
+
+def _planes_fwd(xr, xi, inverse, scale, precision, interpret):
+  return _planes(xr, xi, inverse, scale, precision, interpret), None
+
+
+def _planes_bwd(inverse, scale, precision, interpret, _, ct):
+  gr, gi = ct
+  gr, gi = _transform(gr.astype(jnp.float32), gi.astype(jnp.float32), inverse=not inverse, scale=scale,
+                      precision=precision, interpret=interpret)
+  return gr, gi
+
+
+_planes.defvjp(_planes_fwd, _planes_bwd)
+
+
+# ---------------------------------------------------------------------------------
+# Validation and the public API
+# ---------------------------------------------------------------------------------
+
+
+def _is_array(x) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+  planes: bool  # a (real, imag) pair
+  real: bool  # a real array (no imaginary part)
+  dtype: jnp.dtype  # of the plane / real array, or complex dtype
+  shape: tuple
+
+
+def _validate(x, name: str = "x", *, complex_required: bool = False) -> _Input:
+  if isinstance(x, (tuple, list)):
+    check(len(x) == 2 and all(_is_array(v) for v in x), name, x,
+          "a tuple must be the (real, imaginary) pair of float planes: two arrays")
+    check(tuple(x[0].shape) == tuple(x[1].shape) and x[0].dtype == x[1].dtype, name, x,
+          "its real and imaginary planes must have the same shape and dtype")
+    d = jnp.dtype(x[0].dtype)
+    check(jnp.issubdtype(d, jnp.floating), name, x, f"planes must be real floating point, not {d.name}")
+    return _Input(True, False, d, tuple(x[0].shape))
+  check(_is_array(x), name, x, "must be an array (or a (real, imaginary) pair of float planes)")
+  d = jnp.dtype(x.dtype)
+  is_complex = jnp.issubdtype(d, jnp.complexfloating)
+  check(is_complex or jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.integer), name, x,
+        f"dtype {d.name} is not supported: pass complex64, a real float array or a (real, imag) pair")
+  if complex_required:
+    check(is_complex, name, x, f"must be complex (complex64) or a (real, imag) pair of planes, not {d.name}")
+  return _Input(False, not is_complex, d, tuple(x.shape))
+
+
+def _check_common(inp: _Input, name, x, n, axis, norm, precision):
+  check(len(inp.shape) >= 1, name, x, "must have at least one dimension")
+  check(norm in NORMS, "norm", norm, 'must be None, "backward", "ortho" or "forward"')
+  check(precision in PRECISIONS, "precision", precision, f"must be one of {PRECISIONS}")
+  check(isinstance(axis, int) and not isinstance(axis, bool) and -len(inp.shape) <= axis < len(inp.shape),
+        "axis", axis, f"must be an int in [-{len(inp.shape)}, {len(inp.shape)})")
+  if n is not None:
+    check(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "n", n, "must be a positive int or None")
+
+
+def _scale(norm, n: int, inverse: bool) -> float:
+  if norm == "ortho":
+    return 1.0 / math.sqrt(n)
+  if (norm in (None, "backward")) == inverse:
+    return 1.0 / n
+  return 1.0
+
+
+def _resize(v, n: int, axis: int):
+  """Zero-pad or truncate ``v`` to ``n`` along ``axis`` (as ``jnp.fft`` does with ``n=``)."""
+  m = v.shape[axis]
+  if n == m:
+    return v
+  if n < m:
+    return lax.slice_in_dim(v, 0, n, axis=axis)
+  pad = [(0, 0)] * v.ndim
+  pad[axis] = (0, n - m)
+  return jnp.pad(v, pad)
+
+
+def _pallas_1d(xr, xi, *, n, axis, inverse, scale, precision, interpret):
+  """Planes in, planes out, along ``axis`` (length ``n`` after padding), through the kernel."""
+  chip = target_chip()
+  if not supported_length(n, chip):
+    raise NotImplementedError(f"the Pallas FFT takes lengths <= {DENSE_MAX}, multiples of {LANES} up to "
+                              f"{block_max(chip)} and products of two such lengths; not n={n}")
+  xr, xi = (_resize(v.astype(jnp.float32), n, axis) for v in (xr, xi))
+  xr, xi = jnp.moveaxis(xr, axis, -1), jnp.moveaxis(xi, axis, -1)
+  shape = xr.shape
+  yr, yi = _planes(xr.reshape(-1, n), xi.reshape(-1, n), inverse, scale, precision, interpret)
+  return jnp.moveaxis(yr.reshape(shape), -1, axis), jnp.moveaxis(yi.reshape(shape), -1, axis)
+
+
+def _xla_1d(xr, xi, *, n, axis, inverse, scale, precision):
+  """``jnp.fft`` (XLA's FFT) with the kernel's conventions: unscaled transform times ``scale``."""
+  del precision
+  x = lax.complex(xr, xi)
+  y = jnp.fft.ifft(x, n=n, axis=axis, norm="forward") if inverse else jnp.fft.fft(x, n=n, axis=axis)
+  y = y * scale if scale != 1.0 else y
+  return jnp.real(y), jnp.imag(y)
+
+
+def _complex_transform(x, n, axis, norm, precision, implementation, interpret, *, inverse: bool, name: str):
+  inp = _validate(x, complex_required=False)
+  _check_common(inp, "x", x, n, axis, norm, precision)
+  axis = axis % len(inp.shape)
+  n = inp.shape[axis] if n is None else n
+  check(n >= 1, "n", n, "must be positive (the axis is empty)")
+  scale = _scale(norm, n, inverse)
+  if inp.planes:
+    xr, xi = x
+  elif inp.real:
+    xr = x if jnp.issubdtype(inp.dtype, jnp.floating) else x.astype(jnp.float32)
+    xi = jnp.zeros_like(xr)
+  else:
+    xr, xi = jnp.real(x), jnp.imag(x)
+  yr, yi = dispatch(
+      name, xr, xi,
+      pallas=lambda a, b, interpret: _pallas_1d(a, b, n=n, axis=axis, inverse=inverse, scale=scale,
+                                                precision=precision, interpret=interpret),
+      xla=lambda a, b: _xla_1d(a, b, n=n, axis=axis, inverse=inverse, scale=scale, precision=precision),
+      implementation=implementation, interpret=interpret)
+  if inp.planes:
+    return yr, yi
+  return lax.complex(yr, yi)
+
+
+def fft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The discrete Fourier transform along ``axis``, as ``jnp.fft.fft``, computed on the MXU.
+
+  Args:
+    x: complex64 (or a real array, promoted), or the **native form**: a ``(real, imag)`` pair
+      of float32 planes of one shape (no complex array is ever built; the result is a pair).
+    n, axis, norm: as ``jnp.fft.fft`` (``n`` zero-pads or truncates).
+    precision: ``"highest"`` (f32-level, default), ``"high"`` (bf16x3) or ``"bfloat16"``
+      (one bf16 pass).
+    implementation, interpret: see :func:`kernels.dispatch`. Lengths the kernel does not
+      take (see :func:`supported_length`) run on ``jnp.fft`` with ``implementation=None``.
+
+  Returns:
+    complex64 like ``jnp.fft.fft``, or a ``(real, imag)`` pair for a pair. Differentiable
+    (the backward pass is the conjugate transform, the same kernel).
+  """
+  return _complex_transform(x, n, axis, norm, precision, implementation, interpret, inverse=False, name="fft")
+
+
+def ifft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The inverse DFT along ``axis``, as ``jnp.fft.ifft``; ``x`` must be complex (or a plane pair).
+
+  See :func:`fft` for the arguments; a real array is a :class:`KernelError` (``ifft`` of
+  real data is almost always a bug: pass ``(x, zeros)`` to mean it).
+  """
+  _validate(x, complex_required=True)
+  return _complex_transform(x, n, axis, norm, precision, implementation, interpret, inverse=True, name="ifft")
+
+
+def _real_input(x, name="x"):
+  check(_is_array(x), name, x, "must be a real array")
+  d = jnp.dtype(x.dtype)
+  check(jnp.issubdtype(d, jnp.floating) or jnp.issubdtype(d, jnp.integer), name, x,
+        f"must be real (float32, bfloat16 or an integer dtype), not {d.name}")
+  return x if jnp.issubdtype(d, jnp.floating) else x.astype(jnp.float32)
+
+
+def rfft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The DFT of real ``x`` along ``axis``, its ``n // 2 + 1`` non-negative frequencies, as ``jnp.fft.rfft``.
+
+  The kernel transforms ``(x, 0)`` as a complex signal and keeps the first half: twice the
+  arithmetic a packed real transform would do (see the notebook). Returns complex64.
+  """
+  x = _real_input(x)
+  check(isinstance(axis, int) and not isinstance(axis, bool) and -x.ndim <= axis < x.ndim, "axis", axis,
+        f"must be an int in [-{x.ndim}, {x.ndim})")
+  axis = axis % x.ndim
+  n = x.shape[axis] if n is None else n
+  y = fft(x, n, axis, norm, precision=precision, implementation=implementation, interpret=interpret)
+  return lax.slice_in_dim(y, 0, n // 2 + 1, axis=axis)
+
+
+def _hermitian_full(x, n: int, axis: int):
+  """The length-``n`` spectrum whose first ``n // 2 + 1`` entries are ``x`` (padded or cut), the rest
+  ``conj(x[n - k])``: what ``irfft`` inverts (the imaginary parts at 0 and ``n / 2`` drop out)."""
+  m = n // 2 + 1
+  x = _resize(x, m, axis)
+  tail = lax.slice_in_dim(x, 1, n - m + 1, axis=axis)  # x[1 .. n - m]
+  return jnp.concatenate([x, jnp.conj(jnp.flip(tail, axis=axis))], axis=axis)
+
+
+def irfft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The inverse of :func:`rfft`, as ``jnp.fft.irfft``: a real signal of length ``n`` (default
+  ``2 * (m - 1)`` for ``m`` input frequencies). ``x`` must be complex.
+
+  The kernel inverts the full Hermitian spectrum (built by XLA) and keeps the real part.
+  """
+  inp = _validate(x, complex_required=True)
+  if inp.planes:
+    x = lax.complex(x[0].astype(jnp.float32), x[1].astype(jnp.float32))
+  check(isinstance(axis, int) and not isinstance(axis, bool) and -x.ndim <= axis < x.ndim, "axis", axis,
+        f"must be an int in [-{x.ndim}, {x.ndim})")
+  axis = axis % x.ndim
+  n = 2 * (x.shape[axis] - 1) if n is None else n
+  check(isinstance(n, int) and n >= 1, "n", n, "must be a positive int (the output length)")
+  full = _hermitian_full(x, n, axis)
+  y = ifft(full, n, axis, norm, precision=precision, implementation=implementation, interpret=interpret)
+  return jnp.real(y)
+
+
+def _axes_and_sizes(x_ndim: int, s, axes):
+  if axes is None:
+    axes = tuple(range(-len(s), 0)) if s is not None else (-2, -1)
+  check(isinstance(axes, (tuple, list)) and all(isinstance(a, int) and not isinstance(a, bool) for a in axes),
+        "axes", axes, "must be a sequence of ints")
+  axes = tuple(a % x_ndim if -x_ndim <= a < x_ndim else None for a in axes)
+  check(None not in axes, "axes", axes, f"every axis must be in [-{x_ndim}, {x_ndim})")
+  check(len(set(axes)) == len(axes), "axes", axes, "must not repeat an axis")
+  if s is not None:
+    check(isinstance(s, (tuple, list)) and len(s) == len(axes), "s", s,
+          f"must have one length per axis: {len(axes)} for axes={axes}")
+    check(all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in s), "s", s,
+          "lengths must be positive ints")
+  return axes, (tuple(s) if s is not None else None)
+
+
+def _ndim(x):
+  return x[0].ndim if isinstance(x, (tuple, list)) else x.ndim
+
+
+def fft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The 2-D DFT over ``axes``, as ``jnp.fft.fft2``: :func:`fft` along each axis, last first."""
+  _validate(x)
+  axes, s = _axes_and_sizes(_ndim(x), s, axes)
+  for i in reversed(range(len(axes))):
+    x = fft(x, None if s is None else s[i], axes[i], norm, precision=precision, implementation=implementation,
+            interpret=interpret)
+  return x
+
+
+def ifft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The 2-D inverse DFT over ``axes``, as ``jnp.fft.ifft2``."""
+  _validate(x, complex_required=True)
+  axes, s = _axes_and_sizes(_ndim(x), s, axes)
+  for i in reversed(range(len(axes))):
+    x = ifft(x, None if s is None else s[i], axes[i], norm, precision=precision, implementation=implementation,
+             interpret=interpret)
+  return x
+
+
+def rfft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The 2-D DFT of real ``x``, as ``jnp.fft.rfft2``: :func:`rfft` on the last axis, :func:`fft` on the others."""
+  x = _real_input(x)
+  axes, s = _axes_and_sizes(x.ndim, s, axes)
+  kw = dict(precision=precision, implementation=implementation, interpret=interpret)
+  x = rfft(x, None if s is None else s[-1], axes[-1], norm, **kw)
+  for i in reversed(range(len(axes) - 1)):
+    x = fft(x, None if s is None else s[i], axes[i], norm, **kw)
+  return x
+
+
+def irfft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
+  """The inverse of :func:`rfft2`, as ``jnp.fft.irfft2``: :func:`ifft` on the leading axes, :func:`irfft` on the last."""
+  _validate(x, complex_required=True)
+  axes, s = _axes_and_sizes(_ndim(x), s, axes)
+  if isinstance(x, (tuple, list)):
+    x = lax.complex(x[0].astype(jnp.float32), x[1].astype(jnp.float32))
+  kw = dict(precision=precision, implementation=implementation, interpret=interpret)
+  for i in range(len(axes) - 1):
+    x = ifft(x, None if s is None else s[i], axes[i], norm, **kw)
+  return irfft(x, None if s is None else s[-1], axes[-1], norm, **kw)
+
+
+# ---------------------------------------------------------------------------------
+# Long convolution
+# ---------------------------------------------------------------------------------
+
+
+def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementation=None, interpret=None):
+  """A long convolution of ``u`` ``[batch, channels, seq]`` with a per-channel filter ``k``
+  ``[channels, seq]`` by FFT, as in Hyena and FlashFFTConv: ``y = u * k (+ u * bias)``.
+
+  ``causal=True`` is the linear convolution ``y[t] = sum_{j <= t} k[j] u[t - j]`` (both
+  zero-padded to ``2 * seq``, so nothing wraps around); ``causal=False`` the circular one of
+  length ``seq``. ``bias`` (``[channels]``, Hyena's ``D``) adds ``bias[c] * u``.
+
+  Both signals are real, so two batch halves ride in one complex transform: ``z = u[:B/2] +
+  i u[B/2:]``; ``ifft(fft(z) * fft(k))`` is ``u[:B/2] * k + i (u[B/2:] * k)`` because ``k`` is
+  real. The transforms are the kernels above; the pointwise product and the split run in XLA
+  between the calls (not one fused kernel: see the notebook). Differentiable in ``u``, ``k``
+  and ``bias`` (the transforms' VJPs are the conjugate transforms).
+
+  Returns:
+    ``[batch, channels, seq]`` float32.
+  """
+  check(_is_array(u) and u.ndim == 3, "u", u, "must be a [batch, channels, seq] real array")
+  check(_is_array(k) and k.ndim == 2, "k", k, "must be a [channels, seq] real array")
+  for name, v in (("u", u), ("k", k)):
+    check(jnp.issubdtype(v.dtype, jnp.floating), name, v, f"must be real floating point, not {jnp.dtype(v.dtype).name}")
+  b, c, t = u.shape
+  check(tuple(k.shape) == (c, t), "k", k, f"must have shape {(c, t)} ([channels, seq] of u)")
+  if bias is not None:
+    check(_is_array(bias) and tuple(bias.shape) == (c,), "bias", bias, f"must have shape {(c,)} ([channels])")
+  check(isinstance(causal, bool), "causal", causal, "must be True or False")
+  n = 2 * t if causal else t
+  kw = dict(precision=precision, implementation=implementation, interpret=interpret)
+  u32, k32 = u.astype(jnp.float32), k.astype(jnp.float32)
+  half = (b + 1) // 2
+  lo, hi = u32[:half], u32[half:]
+  if hi.shape[0] < half:  # odd batch: the last imaginary row is zeros
+    hi = jnp.pad(hi, ((0, half - hi.shape[0]), (0, 0), (0, 0)))
+  kr, ki = fft((k32, jnp.zeros_like(k32)), n=n, **kw)
+  zr, zi = fft((lo, hi), n=n, **kw)
+  pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
+  yr, yi = ifft((pr, pi), **kw)
+  y = jnp.concatenate([yr[..., :t], yi[..., :t]], axis=0)[:b]
+  if bias is not None:
+    y = y + u32 * bias.astype(jnp.float32)[:, None]
+  return y
+
+
+def fft_conv_reference(u, k, *, causal=True, bias=None):
+  """:func:`fft_conv` with ``jnp.fft.rfft`` / ``irfft`` (XLA's FFT): the composition it is benchmarked against."""
+  t = u.shape[-1]
+  n = 2 * t if causal else t
+  y = jnp.fft.irfft(jnp.fft.rfft(u.astype(jnp.float32), n=n) * jnp.fft.rfft(k.astype(jnp.float32), n=n), n=n)[..., :t]
+  if bias is not None:
+    y = y + u.astype(jnp.float32) * bias.astype(jnp.float32)[:, None]
+  return y
