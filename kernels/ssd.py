@@ -33,30 +33,31 @@ scalings are VPU/EUP work on ``L x L`` tiles.
 How the kernel works
 --------------------
 
-*Layout.* ``x`` and ``y`` stay ``[batch, seq, heads * head_dim]`` in HBM (a free
-reshape): no transpose of the big arrays. The grid is ``(batch, head blocks, chunks)``,
-semantics parallel, parallel, arbitrary; a step takes ``L`` tokens of ``heads_per_step``
-heads. ``B`` and ``C`` are read as ``[batch, groups, seq, state]`` (a free reshape when
-``groups == 1``, an XLA transpose otherwise) and their block index follows the head
-block (``group = head // (heads / groups)``), as GQA kernels do.
+*Layout: tokens along lanes.* The kernel works on ``x^T``: per head a ``[head_dim, L]``
+tile, tokens along the 128 lanes, so a head of 64 channels fills its vector registers
+and per-token scalars scale it with a cheap sublane broadcast. ``x`` is passed as
+``[batch, heads, head_dim, seq]`` and ``y`` comes back so: a transpose in JAX, which XLA
+makes a bitcast when ``x`` is laid out with the sequence minor (what XLA:TPU picks for a
+``head_dim`` below 128, to avoid padding it to 128 lanes; otherwise it is one copy of
+each). ``B`` and ``C`` are read the same way, ``[batch, groups, state, seq]``, and their
+block index follows the head block (``group = head // (heads / groups)``), as GQA
+kernels do. The grid is ``(batch, head blocks, chunks)``, semantics parallel, parallel,
+arbitrary; a step takes ``L`` tokens of ``heads_per_step`` heads (unrolled).
 
-*State.* The state of the block's heads lives in a VMEM scratch ``[state, heads_per_step
-* head_dim]`` f32 (transposed: one column per (head, channel)), set from ``h0`` at the first
-chunk and written out after the last. Nothing but ``y`` and the final state reaches HBM.
+*State.* The f32 state of the block's heads, ``[heads_per_step * head_dim, state]``, lives
+in a VMEM scratch across the chunks, set from ``h0`` at the first chunk and written out
+after the last. Nothing but ``y`` and the final state reaches HBM.
 
-*Heads in lanes.* Heads are processed a *slab* of 128 lanes at a time (two heads of 64):
-``C h`` and ``B^T (w x)`` are one matmul each for the whole slab, exact. The intra-chunk
-matrix differs per head: each head's ``S @ x_slab`` is computed over the slab's 128
-lanes and its own lanes kept (the MXU is 128 wide, so a 64-lane product costs the same
-passes as a 128-lane one). Per-head ``exp(cs)`` and ``dt`` columns are expanded to the
-slab's lanes with a select per head.
+*Matmuls.* Per step, ``(C B^T)^T`` once per group; per head the intra-chunk product
+``y^T = (dt x)^T S^T`` (``S^T`` stationary in the MXU, head_dim rows streamed); and for all
+the block's heads at once, ``h C^T`` (the carried state's contribution) and the state
+update ``(w x)^T B``, with ``C^T`` or ``B`` stationary and ``heads_per_step * head_dim``
+rows streamed.
 
 *Per-token scalars.* The chunk-local cumulative sums of ``dt * A`` (f32, computed by XLA:
-``O(seq x heads)``, 1/head_dim of ``x``) reach the kernel twice: as rows ``[batch, heads, 1,
-seq]`` (a head's values along lanes: the ``s`` axis of the ``L x L`` matrix) and as columns
-``[batch, head blocks, seq, heads_per_step]`` (along sublanes: the ``t`` axis), with ``dt`` as
-columns. A slab expands its heads' columns to their lanes with a select per head; ``dt``
-scales ``x`` before the intra-chunk product.
+``O(seq x heads)``, 1/head_dim of ``x``) and ``dt`` reach the kernel as rows ``[batch, heads,
+1, seq]`` (along lanes, the ``t`` axis), and the sums once more as columns ``[batch, head
+blocks, seq, heads_per_step]`` (along sublanes: the ``s`` axis of ``S^T``).
 
 *Resets.* ``reset`` (``[batch, seq]`` bool, True on each document's first token) becomes
 a chunk-local segment number (a cumulative count of resets within the chunk): the intra
@@ -64,16 +65,16 @@ matrix keeps ``(t, s)`` only within a segment, the carried state reaches only th
 before the chunk's first reset, and only the last segment's tokens (and the carried
 state, if the chunk has no reset) enter the next state.
 
-*Ragged sequences.* The last chunk may be partial: the rows of ``x``, ``B`` and ``C`` past
-the end (stale VMEM, maybe NaN) are replaced by zeros before any product, and the
+*Ragged sequences.* The last chunk may be partial: the tokens (lanes) of ``x``, ``B`` and
+``C`` past the end (stale VMEM, maybe NaN) are replaced by zeros before any product, and the
 per-token scalars are padded with zeros by XLA.
 
 *Chunk size and heads per step* (``kernels/data/ssd_blocks.json``, ``tools/tune_ssd.py``):
 without a table entry the chunk is the MXU width (128 on v4/v5e/v5p, 256 on v6e). The
-tuning (compiler estimates) found 128 faster on v6e too: the ``L x L`` decay matrices
-are vector work that grows with ``L`` per token, while a 128-lane slab of heads keeps the
-MXU equally busy at either chunk. ``heads_per_step`` is tuned so that a grid step
-carries enough work to hide its overhead.
+tuning (compiler estimates) found 128 faster on v6e too: the intra-chunk work per token
+(the ``L x L`` decay matrices on the VPU, ``S^T`` loaded into the MXU per head) grows
+with ``L``. ``heads_per_step`` is tuned so that a grid step carries enough work to hide
+its overhead.
 
 *Backward* (``custom_vjp``). The gradients are the VJP of :func:`ssd_chunked_xla`, the
 chunked algorithm in XLA (chunked like the forward: intra-chunk matrices, per-chunk
@@ -93,8 +94,8 @@ the XLA paths.
 floored at the HBM bandwidth; not measurements) of the kernel and of
 :func:`ssd_chunked_xla` at Mamba-2's shape (seq 8192, 32 heads x 64, state 128, bf16) in
 ``kernels/data/ssd_bench.json``. The cost model finds the kernel bound by its vector
-work (the per-head ``L x L`` decay matrices), well above both the HBM and the MXU sides
-of the roofline.
+work and its MXU passes (a per-head ``S^T`` loaded for head_dim = 64 streamed rows),
+well above both the HBM and the MXU sides of the roofline.
 """
 from __future__ import annotations
 
@@ -129,9 +130,8 @@ class BlockSizes:
   """Tokens per chunk and heads per grid step.
 
   ``chunk_size`` must be a multiple of 128 unless it covers the sequence;
-  ``heads_per_step`` must divide ``heads``, be a multiple or a divisor of the heads per
-  group, and span a multiple of 128 lanes (``heads_per_step * head_dim``) unless it is
-  all the heads. ``None`` picks the per-generation default.
+  ``heads_per_step`` must divide ``heads`` and be a multiple or a divisor of the heads
+  per group. ``None`` picks the per-generation default.
   """
 
   chunk_size: int | None = None
@@ -363,42 +363,28 @@ def ssd_chunked_xla(x, dt, A, B, C, *, D=None, chunk_size=128, h0=None, reset=No
 class _Plan:
   L: int  # tokens per chunk
   hb: int  # heads per grid step
-  k: int  # heads per slab
   n_chunks: int
 
   def grid(self, p: _Problem):
     return (p.batch, p.heads // self.hb, self.n_chunks)
 
 
-def _slab_heads(p: _Problem, hb: int) -> int:
-  """Heads per slab: 128 lanes of heads when head_dim divides 128, one head when head_dim is a
-  multiple of 128, else the whole block (one slab, lanes selected per head)."""
-  P = p.head_dim
-  if P % tiling.LANES == 0:
-    return 1
-  if tiling.LANES % P == 0 and (hb * P) % tiling.LANES == 0:
-    return tiling.LANES // P
-  return hb
-
-
 def _valid_hb(p: _Problem, hb: int) -> bool:
   hpg = p.heads_per_group
-  return (p.heads % hb == 0 and (hpg % hb == 0 or hb % hpg == 0)
-          and ((hb * p.head_dim) % tiling.LANES == 0 or hb == p.heads))
+  return p.heads % hb == 0 and (hpg % hb == 0 or hb % hpg == 0)
 
 
 def _vmem_bytes(p: _Problem, L: int, hb: int) -> int:
-  lanes = hb * p.head_dim
   gb = max(1, hb // p.heads_per_group)
-  blocks = [((L, lanes), p.dtype)] * 2  # x, y
-  blocks += [((gb, L, p.state), p.dtype)] * 2  # B, C
-  blocks += [((hb, 1, L), jnp.float32)] + [((L, hb), jnp.float32)] * 2  # per-token scalar rows and columns
-  blocks += [((p.state, lanes), jnp.float32)] * 2  # h0, final state
+  blocks = [((hb, p.head_dim, L), p.dtype)] * 2  # x, y (transposed)
+  blocks += [((gb, p.state, L), p.dtype)] * 2  # B, C (transposed)
+  blocks += [((hb, 1, L), jnp.float32)] * 2 + [((L, hb), jnp.float32)]  # per-token rows (cs, dt), cs columns
+  blocks += [((hb, p.head_dim, p.state), jnp.float32)] * 2  # h0, final state
+  blocks += [((hb, p.head_dim, 1), jnp.float32)]  # D
   if p.has_reset:
     blocks += [((1, L), jnp.float32), ((L, 1), jnp.float32)]
-  scratch = [((p.state, lanes), jnp.float32), ((gb, L, L), jnp.float32)]
-  # live values of a slab: a few L x L f32 matrices and L x 128 products
-  scratch += [((L, L), jnp.float32)] * 4 + [((L, tiling.LANES), jnp.float32)] * 6
+  scratch = [((hb * p.head_dim, p.state), jnp.float32), ((gb, L, L), jnp.float32), ((hb * p.head_dim, L), p.dtype)]
+  scratch += [((L, L), jnp.float32)] * 4 + [((p.head_dim, L), jnp.float32)] * 6  # live values of a head
   return tiling.vmem_footprint(blocks, scratch=scratch)
 
 
@@ -406,23 +392,21 @@ def _plan(p: _Problem, blocks: BlockSizes) -> _Plan:
   chip = target_chip()
   d = default_block_sizes(chip.name if chip else None)
   L = blocks.chunk_size or d.chunk_size
-  rows = tiling.sublane_multiple(p.dtype)
   if L >= p.seq:
-    L = tiling.round_up(p.seq, rows)
+    L = tiling.round_up(p.seq, tiling.LANES)  # (tokens lie along lanes: a whole lane tile, the tail masked)
   elif L % tiling.LANES:
     raise TilingError("chunk_size", L, f"must be a multiple of {tiling.LANES} (its tokens lie along lanes in the "
                       f"kernel's per-token rows) or cover the sequence ({p.seq})")
   if blocks.heads_per_step is not None:
     hb = blocks.heads_per_step
     if not _valid_hb(p, hb):
-      raise TilingError("block_sizes", blocks, f"heads_per_step={hb} must divide heads ({p.heads}), divide or be a "
-                        f"multiple of the heads per group ({p.heads_per_group}), and span a multiple of 128 lanes "
-                        f"(heads_per_step * head_dim = {hb * p.head_dim}) unless it is all {p.heads} heads")
+      raise TilingError("block_sizes", blocks, f"heads_per_step={hb} must divide heads ({p.heads}) and divide or be "
+                        f"a multiple of the heads per group ({p.heads_per_group})")
   else:
     options = [h for h in range(1, p.heads + 1) if _valid_hb(p, h) and h <= max(d.heads_per_step, 1)]
     hb = max(options) if options else p.heads
   tiling.vmem_limit(_vmem_bytes(p, L, hb), chip or "v5e", value=blocks)
-  return _Plan(L, hb, _slab_heads(p, hb), tiling.cdiv(p.seq, L))
+  return _Plan(L, hb, tiling.cdiv(p.seq, L))
 
 
 def _flops(p: _Problem, L: int) -> int:
@@ -433,11 +417,11 @@ def _flops(p: _Problem, L: int) -> int:
 
 
 def _forward_kernel(*refs, p: _Problem, plan: _Plan):
-  L, hb, k = plan.L, plan.hb, plan.k
-  P, N = p.head_dim, p.state
+  """One chunk of ``hb`` heads, transposed: tokens along lanes (x^T is [head_dim, L] per head)."""
+  L, hb = plan.L, plan.hb
   hpg = p.heads_per_group
   refs = list(refs)
-  x_ref, b_ref, c_ref, csr_ref, csc_ref, scc_ref = refs[:6]
+  x_ref, b_ref, c_ref, csr_ref, scr_ref, csc_ref = refs[:6]
   i = 6
   if p.has_reset:
     segr_ref, segc_ref = refs[i:i + 2]
@@ -445,9 +429,10 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan):
   if p.has_d:
     d_ref = refs[i]
     i += 1
-  h0_ref, y_ref, hT_ref, state_ref, cb_ref = refs[i:i + 5]
+  h0_ref, y_ref, hT_ref, state_ref, cb_ref, xw_ref = refs[i:i + 6]
 
-  hblk, c = pl.program_id(1), pl.program_id(2)
+  c = pl.program_id(2)
+  P = p.head_dim
   mm_dtype = p.dtype
   prec = lax.Precision.HIGHEST if p.dtype == jnp.float32 else None
 
@@ -455,75 +440,64 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan):
   def _():
     state_ref[...] = h0_ref[...]
 
-  ragged = p.seq % L != 0
-  if ragged:
-    valid = (lax.broadcasted_iota(jnp.int32, (L, 1), 0) + c * L) < p.seq
+  if p.seq % L:
+    valid = (lax.broadcasted_iota(jnp.int32, (1, L), 1) + c * L) < p.seq  # tokens past the end: stale VMEM
     clean = lambda v: jnp.where(valid, v, jnp.zeros_like(v))  # noqa: E731
   else:
     clean = lambda v: v  # noqa: E731
 
   gb = max(1, hb // hpg)
-  Bs = [clean(b_ref[g]) for g in range(gb)]
-  Cs = [clean(c_ref[g]) for g in range(gb)]
-  for g in range(gb):
-    cb_ref[g] = lax.dot_general(Cs[g], Bs[g], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=prec)
-  t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 0)
-  s_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-  mask = t_idx >= s_idx
+  Bt = [clean(b_ref[g]) for g in range(gb)]  # B^T, C^T: [state, L]
+  Ct = [clean(c_ref[g]) for g in range(gb)]
+  s_idx = lax.broadcasted_iota(jnp.int32, (L, L), 0)  # source token s along sublanes
+  t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)  # target token t along lanes
+  mask = s_idx <= t_idx
   if p.has_reset:
     segr, segc = segr_ref[...], segc_ref[...]  # (1, L), (L, 1)
     mask = mask & (segc == segr)
-    first = segc == 0.0  # (L, 1): no reset in the chunk up to t: the carried state reaches t
-    in_last = segc == segc[L - 1:L, :]  # (L, 1): t is in the chunk's last segment
-    keep_carry = segc[L - 1:L, :] == 0.0  # (1, 1)
-  sw = k * P
-  for j in range(hb // k):
-    lanes = slice(j * sw, (j + 1) * sw)
-    xs = clean(x_ref[:, lanes])
-    st = state_ref[:, lanes]
-    lane_head = lax.div(lax.broadcasted_iota(jnp.int32, (1, sw), 1), jnp.int32(P))  # (lax.div: no sign op)
-    # the per-token scalars of the slab's heads, expanded to their lanes: cs_t and scale_t
-    cs_lane = jnp.broadcast_to(csc_ref[:, j * k:j * k + 1], (L, sw))
-    sc_lane = jnp.broadcast_to(scc_ref[:, j * k:j * k + 1], (L, sw))
-    for i in range(1, k):
-      sel = lane_head == i
-      cs_lane = jnp.where(sel, csc_ref[:, j * k + i:j * k + i + 1], cs_lane)
-      sc_lane = jnp.where(sel, scc_ref[:, j * k + i:j * k + i + 1], sc_lane)
-    xdt = (xs.astype(jnp.float32) * sc_lane).astype(mm_dtype)  # scale_s x_s
-    y = None
-    groups = {}
-    for i in range(k):
-      hl = j * k + i
-      g = hl // hpg if hb > hpg else 0
-      groups.setdefault(g, []).append(i)
-      # the intra-chunk matrix of head hl: (C B^T)[t, s] exp(cs_t - cs_s), s <= t (same segment)
-      decay = jnp.exp(jnp.where(mask, csc_ref[:, hl:hl + 1] - csr_ref[hl], -jnp.inf))
-      yi = jnp.dot((cb_ref[g] * decay).astype(mm_dtype), xdt, preferred_element_type=jnp.float32, precision=prec)
-      y = yi if y is None else jnp.where(lane_head == i, yi, y)
-    end_cs = cs_lane[L - 1:L, :]  # (1, sw): cs at the chunk's last token
-    into = jnp.exp(cs_lane)  # the carried state's decay to token t
-    w = jnp.exp(end_cs - cs_lane) * sc_lane  # token s's weight in the chunk's state update
-    end = jnp.exp(end_cs)  # the carried state's decay over the chunk
+    first = segr == 0.0  # (1, L): no reset in the chunk up to t: the carried state reaches t
+    in_last = segr == segr[:, L - 1:L]  # (1, L): s is in the chunk's last segment
+    keep_carry = segr[:, L - 1:L] == 0.0  # (1, 1)
+  for g in range(gb):  # (C B^T)^T [s, t] = B_s . C_t, once per group
+    cb_ref[g] = lax.dot_general(Bt[g], Ct[g], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=prec)
+
+  # the carried state's contribution for all the block's heads at once: h C (one matmul per group, C^T
+  # stationary in the MXU, hb * head_dim rows streamed)
+  hpb = hb // gb  # heads of the block per group
+  state_mm = state_ref[...].astype(mm_dtype)  # (hb * P, N)
+  y_state = [jnp.dot(state_mm[g * hpb * P:(g + 1) * hpb * P], Ct[g], preferred_element_type=jnp.float32,
+                     precision=prec) for g in range(gb)]
+  for hl in range(hb):
+    g = hl // hpg if hb > hpg else 0
+    rows_h = slice(hl * P, (hl + 1) * P)
+    xt = clean(x_ref[hl])  # (P, L)
+    cs_row, sc_row = csr_ref[hl], scr_ref[hl]  # (1, L)
+    cs_end = csc_ref[L - 1:L, hl:hl + 1]  # (1, 1)
+    # the intra-chunk matrix, transposed: (C B^T)^T [s, t] exp(cs_t - cs_s), s <= t (same segment)
+    decay = jnp.exp(jnp.where(mask, cs_row - csc_ref[:, hl:hl + 1], -jnp.inf))
+    xdt = (xt.astype(jnp.float32) * sc_row).astype(mm_dtype)  # scale_s x_s
+    y = jnp.dot(xdt, (cb_ref[g] * decay).astype(mm_dtype), preferred_element_type=jnp.float32, precision=prec)
+    # the carried state: exp(cs_t) h C_t
+    into = jnp.exp(cs_row)
+    w = jnp.exp(cs_end - cs_row) * sc_row  # token s's weight in the chunk's state update
+    end = jnp.exp(cs_end)
     if p.has_reset:
       into = jnp.where(first, into, 0.0)
       w = jnp.where(in_last, w, 0.0)
       end = jnp.where(keep_carry, end, 0.0)
-    xw = (xs.astype(jnp.float32) * w).astype(mm_dtype)
-    st_mm = st.astype(mm_dtype)
-    new = st * end
-    for g, members in groups.items():
-      yc = jnp.dot(Cs[g], st_mm, preferred_element_type=jnp.float32, precision=prec)
-      upd = lax.dot_general(Bs[g], xw, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=prec)
-      if len(groups) > 1:
-        gsel = functools.reduce(jnp.logical_or, [lane_head == i for i in members])
-        yc, upd = jnp.where(gsel, yc, 0.0), jnp.where(gsel, upd, 0.0)
-      y = y + yc * into
-      new = new + upd
+    local = hl - g * hpb
+    y = y + y_state[g][local * P:(local + 1) * P] * into
     if p.has_d:
-      y = y + xs.astype(jnp.float32) * d_ref[:, lanes]
-    y_ref[:, lanes] = y.astype(y_ref.dtype)
-    state_ref[:, lanes] = new
+      y = y + xt.astype(jnp.float32) * d_ref[hl]
+    y_ref[hl] = y.astype(y_ref.dtype)
+    xw_ref[rows_h] = (xt.astype(jnp.float32) * w).astype(mm_dtype)
+    state_ref[rows_h] = state_ref[rows_h] * end
+  # the chunk's state update for all the block's heads: h += (w x)^T B (B stationary, hb * head_dim rows)
+  for g in range(gb):
+    rows_g = slice(g * hpb * P, (g + 1) * hpb * P)
+    state_ref[rows_g] += lax.dot_general(xw_ref[rows_g], Bt[g], (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32, precision=prec)
 
   @pl.when(c == plan.n_chunks - 1)
   def _():
@@ -535,7 +509,7 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
   L, hb = plan.L, plan.hb
   nc = plan.n_chunks
   Tp = nc * L
-  H, P, N, G = p.heads, p.head_dim, p.state, p.groups
+  H, P, N = p.heads, p.head_dim, p.state
   hpg = p.heads_per_group
   gb = max(1, hb // hpg)
   f32 = jnp.float32
@@ -546,22 +520,20 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
   sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
   rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
   cols = lambda v: jnp.swapaxes(v.reshape(p.batch, Tp, H // hb, hb), 1, 2)  # noqa: E731  [b, head blocks, t, hb]
-  xf = x.reshape(p.batch, p.seq, H * P)
-  bt = jnp.swapaxes(B, 1, 2) if G > 1 else B.reshape(p.batch, 1, p.seq, N)
-  ct = jnp.swapaxes(C, 1, 2) if G > 1 else C.reshape(p.batch, 1, p.seq, N)
-  hT = jnp.swapaxes(h0.astype(f32).reshape(p.batch, H * P, N), 1, 2)  # [b, n, h*p]
+  # tokens last (x^T per head): a bitcast when XLA lays x out with seq minor, as it does for head_dim < 128
+  xt = jnp.transpose(x, (0, 2, 3, 1))  # [b, h, p, t]
+  bt, ct = jnp.transpose(B, (0, 2, 3, 1)), jnp.transpose(C, (0, 2, 3, 1))  # [b, g, n, t]
 
   gmap = (lambda h: h) if hb > hpg else (lambda h: lax.div(h * hb, hpg))  # (lax.div: floor division lowers a sign op)
-  lanes = hb * P
   in_specs = [
-      pl.BlockSpec((None, L, lanes), lambda b, h, c: (b, c, h)),
-      pl.BlockSpec((None, gb, L, N), lambda b, h, c: (b, gmap(h), c, 0)),
-      pl.BlockSpec((None, gb, L, N), lambda b, h, c: (b, gmap(h), c, 0)),
+      pl.BlockSpec((None, hb, P, L), lambda b, h, c: (b, h, 0, c)),
+      pl.BlockSpec((None, gb, N, L), lambda b, h, c: (b, gmap(h), 0, c)),
+      pl.BlockSpec((None, gb, N, L), lambda b, h, c: (b, gmap(h), 0, c)),
+      pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
       pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
       pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
-      pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
   ]
-  args = [xf, bt, ct, rows(cs), cols(cs), cols(sc)]
+  args = [xt, bt, ct, rows(cs), rows(sc), cols(cs)]
   if p.has_reset:
     r = jnp.pad(reset, ((0, 0), (0, pad))).reshape(p.batch, nc, L).astype(jnp.int32)
     seg = jnp.cumsum(r, axis=2).astype(f32).reshape(p.batch, Tp)
@@ -569,31 +541,28 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
     in_specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, c)),
                  pl.BlockSpec((None, L, 1), lambda b, h, c: (b, c, 0))]
   if p.has_d:
-    args.append(jnp.repeat(D.astype(f32), P).reshape(1, H * P))
-    in_specs.append(pl.BlockSpec((1, lanes), lambda b, h, c: (0, h)))
-  args.append(hT)
-  state_spec = pl.BlockSpec((None, N, lanes), lambda b, h, c: (b, 0, h))
+    args.append(jnp.broadcast_to(D.astype(f32)[:, None, None], (H, P, 1)))
+    in_specs.append(pl.BlockSpec((hb, P, 1), lambda b, h, c: (h, 0, 0)))
+  state_spec = pl.BlockSpec((None, hb * P, N), lambda b, h, c: (b, h, 0))
+  args.append(h0.astype(f32).reshape(p.batch, H * P, N))
   in_specs.append(state_spec)
   chip = target_chip() or get_chip("v5e")
-  flops = _flops(p, L)
   bytes_accessed = 2 * x.size * p.dtype.itemsize + 2 * B.size * p.dtype.itemsize + 2 * p.batch * H * P * N * 4
   y, hT = pl.pallas_call(
       functools.partial(_forward_kernel, p=p, plan=plan),
       grid=plan.grid(p),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, L, lanes), lambda b, h, c: (b, c, h)), state_spec],
-      out_shape=[jax.ShapeDtypeStruct((p.batch, p.seq, H * P), p.dtype),
-                 jax.ShapeDtypeStruct((p.batch, N, H * P), f32)],
-      scratch_shapes=[pltpu.VMEM((N, lanes), f32), pltpu.VMEM((gb, L, L), f32)],
+      out_specs=[pl.BlockSpec((None, hb, P, L), lambda b, h, c: (b, h, 0, c)), state_spec],
+      out_shape=[jax.ShapeDtypeStruct((p.batch, H, P, p.seq), p.dtype),
+                 jax.ShapeDtypeStruct((p.batch, H * P, N), f32)],
+      scratch_shapes=[pltpu.VMEM((hb * P, N), f32), pltpu.VMEM((gb, L, L), f32), pltpu.VMEM((hb * P, L), p.dtype)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=tiling.vmem_limit(_vmem_bytes(p, L, hb), chip)),
-      cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(p.batch * Tp * H * (L + 3)),
+      cost_estimate=pl.CostEstimate(flops=int(_flops(p, L)), transcendentals=int(p.batch * Tp * H * (L + 3)),
                                     bytes_accessed=int(bytes_accessed)),
       interpret=interpret, name="ssd",
   )(*args)
-  y = y.reshape(p.batch, p.seq, H, P)
-  hT = jnp.swapaxes(hT, 1, 2).reshape(p.batch, H, P, N)
-  return y, hT
+  return jnp.transpose(y, (0, 3, 1, 2)), hT.reshape(p.batch, H, P, N)
 
 
 def _pallas_path(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, blocks: BlockSizes, interpret):

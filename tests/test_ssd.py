@@ -71,7 +71,7 @@ def assert_close(got, want, dtype=jnp.float32, tol=None):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_matches_reference(dtype):
-  # 300 tokens: chunks of 128, 128 and a partial 44; 4 heads of 64 in blocks of 2 (one 128-lane slab)
+  # 300 tokens: chunks of 128, 128 and a partial 44; 4 heads of 64 in blocks of 2
   args, kw = inputs(dtype=dtype)
   y, h = call(*args, return_final_state=True, **kw)
   ref_y, ref_h = ssd_reference(*args, return_final_state=True, **kw)
@@ -124,7 +124,7 @@ def test_reset_on_every_token_forgets_the_past():
 
 def test_odd_shapes_single_batch():
   # seq 13 (one chunk, rounded up to the row tile), head_dim 48 and state 40 (not multiples of 128), three
-  # heads in three groups (one slab of the whole block), batch 1; and bf16 with seq 13 and head_dim 64
+  # heads in three groups (the block spans the groups), batch 1; and bf16 with seq 13 and head_dim 64
   args, kw = inputs(t=13, h=3, p=48, g=3, n=40, reset=True)
   y, h = call(*args, block_sizes=None, return_final_state=True, **kw)
   ref_y, ref_h = ssd_reference(*args, return_final_state=True, **kw)
@@ -135,7 +135,7 @@ def test_odd_shapes_single_batch():
 
 
 def test_head_dim_multiple_of_128_and_long_decay():
-  # head_dim 128 (one head per slab); strong decay (dt * A down to about -30 per token) stays finite:
+  # head_dim 128, one head per step; strong decay (dt * A down to about -30 per token) stays finite:
   # the decays are differences of cumulative sums
   args, kw = inputs(t=256, h=2, p=128, n=16)
   x, dt, A, B, C = args
@@ -268,7 +268,9 @@ def test_bad_input_names_the_argument():
   assert "multiple of 128" in _bad("chunk_size", kernels.TilingError, chunk_size=100)
   _bad("chunk_size", chunk_size=0)
   assert "heads_per_step" in _bad("block_sizes", kernels.TilingError, block_sizes=BlockSizes(128, 3))
-  assert "128 lanes" in _bad("block_sizes", kernels.TilingError, block_sizes=BlockSizes(128, 1))
+  # 4 heads in 2 groups: a block of 4 heads spans both groups (fine), one of 3 would not divide 4
+  assert "divide" in _bad("block_sizes", kernels.TilingError, block_sizes=BlockSizes(128, 3), B=rand((1, 140, 2, 32)),
+                          C=rand((1, 140, 2, 32)))
   _bad("implementation", implementation="cuda")
   q = rand((1, 20, 2, 8))
   with pytest.raises(kernels.KernelError) as info:
