@@ -6,8 +6,8 @@ transform on TPUs") do, these kernels compute the DFT as matrix products: a leng
 transform of a batch of rows is factored (Cooley-Tukey, "four-step") into small dense DFT
 matrices that fit the MXU, with the twiddle factors multiplied on the VPU between them.
 
-How the kernel works
---------------------
+How the FFT kernel works
+------------------------
 
 *Layout.* The native data is a pair of float32 planes, ``(real, imag)``, each
 ``[rows, N]``. complex64 arrays are split into planes (and joined back) by XLA, which costs

@@ -27,8 +27,8 @@ float64 with NumPy, so a position of a million still turns by the right angle: t
 common ``position * inv_freq`` product in float32 errs by up to ``position * 2**-24``
 radians, 0.06 rad at a million. The tables live in float32.
 
-How the kernel works
---------------------
+How the RoPE kernel works
+-------------------------
 
 *Memory bound.* A rotation is 3 FLOPs per element against 4 bytes (bf16 in and out),
 so the time is the bytes over the HBM bandwidth: the kernel reads ``x`` once, writes the

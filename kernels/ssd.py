@@ -30,8 +30,8 @@ accumulation): the masked ``(C B^T ∘ decay) x``, ``C h`` and ``B^T (w x)``. ``
 shared by the heads of a group and computed once per chunk. The exponentials, masks and
 scalings are VPU/EUP work on ``L x L`` tiles.
 
-How the kernel works
---------------------
+How the SSD kernel works
+------------------------
 
 *Layout: tokens along lanes.* The kernel works on ``x^T``: per head a ``[head_dim, L]``
 tile, tokens along the 128 lanes, so a head of 64 channels fills its vector registers
