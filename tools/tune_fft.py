@@ -180,7 +180,8 @@ def _key(cfg):
 
 
 def bench(args):
-  table = result_tables.load(BENCH_OUT) or {}
+  out = args.out or BENCH_OUT
+  table = result_tables.load(out) or {}
   table.update({
       "description": (
           "kernels.fft against XLA's FFT and plain-JAX matmul DFTs: compiler estimates (libtpu's static cost model), "
@@ -205,7 +206,7 @@ def bench(args):
       r["roofline_us"] = round(_roofline_us(cfg, cfg["generation"]), 3)
     results[key] = r
     print(key, r.get("us"), r.get("slice_us"), r.get("error", ""), flush=True)
-    result_tables.save(table, BENCH_OUT)
+    result_tables.save(table, out)
 
 
 def main(argv=None):
@@ -215,6 +216,7 @@ def main(argv=None):
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--only", nargs="*", default=None, help="only keys containing one of these strings")
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--out", default=None, help="the table to write (default kernels/data/fft_bench.json)")
   ap.add_argument("--max-gb", type=float, default=4.0, help="stop an estimate whose RAM passes this")
   args = ap.parse_args(argv)
   if args.job == "one":
