@@ -48,7 +48,7 @@ VPU add per element. The MXU is the bottleneck at 128-point stages, and every pr
 pass multiplies its work, so one product saved is 25% of the matmul time in every mode
 (the sums cost a little accuracy; the errors below include it).
 
-*Precision* (``precision=``), errors as max |error| / max |X| against float64 NumPy at
+*Precision* (``precision=``), errors as ``max |error| / max |X|`` against float64 NumPy at
 N = 4096 (interpret mode): ``"bfloat16"``, one bf16 pass (data and matrices rounded to
 bf16, f32 accumulation; ~4e-3); ``"high"``, bf16x3 (each operand split into a high and a
 low bf16 piece, ``hi*hi + hi*lo + lo*hi``; ~2e-5); ``"highest"`` (default), bf16x6 (three
