@@ -19,9 +19,9 @@ Cases (complex data as float32 planes for ours; complex64 for the others, which 
 (over 8 GB at 1024 x 4096). Every program is therefore estimated on a slice of the batch
 (``rows`` of ``full_rows``; all of them are independent rows, so the work and the bytes are
 linear in the rows) and ``us`` is scaled by ``full_rows / rows``; the record keeps
-``slice_us`` and the factor. ``roofline_us`` is the larger of the HBM time of each input
-read once and each output written once and the MXU time of the matmul FLOPs our kernel
-needs at one bf16 pass (``flops``), at the full batch.
+the factor (``slice_scale``). ``fraction_of_roofline`` is the roofline over ``us``, the roofline
+being the larger of the HBM time of each input read once and each output written once and the
+MXU time of the matmul FLOPs our kernel needs at one bf16 pass (``flops``), at the full batch.
 
 Run it under the shared lock::
 
@@ -140,7 +140,7 @@ def estimate(cfg) -> dict:
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"])
   r = e.record()
   scale = _scale(cfg)
-  r.update(slice_us=r["us"], slice_scale=scale, us=round(r["us"] * scale, 3), model_us=round(r["model_us"] * scale, 3),
+  r.update(slice_scale=scale, us=round(r["us"] * scale, 3), model_us=round(r["model_us"] * scale, 3),
            floor_us=round(r["floor_us"] * scale, 3), compile_seconds=round(e.compile_seconds, 1))
   return r
 
@@ -186,10 +186,10 @@ def bench(args):
       "description": (
           "kernels.fft against XLA's FFT and plain-JAX matmul DFTs: compiler estimates (libtpu's static cost model), "
           "not measurements. us is the floored estimate (the model's time, never less than the counted HBM bytes at "
-          "the published bandwidth), estimated on a slice of the batch (slice_us) and scaled by slice_scale to the "
-          "full batch (rows are independent: work and bytes are linear in them). roofline_us: max(HBM time of each "
-          "input read once and each output written once, MXU time of the kernel's matmul FLOPs at one bf16 pass), "
-          "full batch. Cases: fft4096 = fft of [1024, 4096] complex; fft65536 = [16, 65536]; conv = fft_conv at "
+          "the published bandwidth), estimated on a slice of the batch and scaled by slice_scale to the "
+          "full batch (rows are independent: work and bytes are linear in them). fraction_of_roofline: the roofline, "
+          "max(HBM time of each input read once and each output written once, MXU time of the kernel's matmul FLOPs "
+          "at one bf16 pass) at the full batch, over us. Cases: fft4096 = fft of [1024, 4096] complex; fft65536 = [16, 65536]; conv = fft_conv at "
           "[8, 768, 8192] causal (fwd, fwd+bwd of u and k) against the jnp.fft.rfft/irfft composition."),
       "generated_by": "tools/tune_fft.py", "kind": "compiler estimate (floored)",
       "environment": {"jax": jax.__version__, "python": platform.python_version()}})
@@ -202,10 +202,10 @@ def bench(args):
       continue
     r = _run_capped(cfg, args.max_gb)
     r.update(cfg, kernel=KERNEL_VERSION)
-    if "us" in r:
-      r["roofline_us"] = round(_roofline_us(cfg, cfg["generation"]), 3)
+    if "us" in r:  # the roofline as a fraction: a bound, not a time anything ran in
+      r["fraction_of_roofline"] = round(_roofline_us(cfg, cfg["generation"]) / r["us"], 4)
     results[key] = r
-    print(key, r.get("us"), r.get("slice_us"), r.get("error", ""), flush=True)
+    print(key, r.get("us"), r.get("error", ""), flush=True)
     result_tables.save(table, out)
 
 

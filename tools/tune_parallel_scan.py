@@ -106,15 +106,18 @@ def estimate(cfg) -> dict:
   flops, nbytes = flops_bytes(cfg)
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops, bytes_accessed=nbytes)
   r = e.record()
-  r.update(flops=flops, bytes=nbytes, compile_seconds=round(e.compile_seconds, 1),
-           roofline_us=round(e.roofline.seconds * 1e6, 3) if e.roofline else None)
+  r.update(flops=flops, bytes=nbytes, compile_seconds=round(e.compile_seconds, 1))
   # libtpu's profile charges our kernels 0 cycles when a block holds several segments cut into chunks
   # (a 3-d strided block): such an estimate is only its floor, and is marked invalid.
   kernels_charged = {k: v for k, v in e.ops.items() if k.startswith("parallel_scan")}
   r["kernel_cycles"] = kernels_charged
   uncharged = [k for k, v in kernels_charged.items() if v == 0]
-  if uncharged:
-    r.update(valid=False, uncharged_kernels=uncharged)
+  if uncharged:  # no estimate: the time without the kernels is not stored as one
+    us = r.pop("us")
+    r.pop("fraction_of_roofline", None)
+    r.update(valid=False, uncharged_kernels=uncharged,
+             error=f"no estimate: libtpu's cost model charged the Pallas kernels 0 cycles ({', '.join(uncharged)}); "
+                   f"its time without them ({us} us) is not stored as one")
   if cfg["impl"] == "ours":
     p = ps._validate(*args[:4], None, cfg.get("segments"), True)
     with kernels.backend.target(cfg["generation"]):
@@ -129,9 +132,9 @@ def _header():
       "kernels.parallel_scan (dense LTI state-space scan, d_in = n = d_out = 256, bf16, f32 state) against XLA: "
       "compiler estimates (libtpu's static cost model), not measurements. us is the floored estimate: the "
       "model's time (model_us), never less than the program's counted HBM bytes (hbm_bytes) at the published "
-      "bandwidth (floor_us). roofline_us is max(flops / peak bf16 MXU, bytes / HBM bandwidth) of the problem "
+      "bandwidth (floor_us). the roofline is max(flops / peak bf16 MXU, bytes / HBM bandwidth) of the problem "
       "(flops: one pass of x@B, h@A, h@C per token, x3 with the backward; bytes: x and y, + dy and dx); "
-      "fraction_of_roofline = roofline_us / us. lax_scan is kernels.parallel_scan_reference (loop bodies "
+      "fraction_of_roofline = roofline / us (uncharged estimates store no us). lax_scan is kernels.parallel_scan_reference (loop bodies "
       "multiplied by the trip count); associative_scan is lax.associative_scan over f32 (A, x_t B) pairs; "
       "'ours' plan is the segmentation the kernel chose."),
       "generated_by": "tools/tune_parallel_scan.py", "kind": "compiler estimate (floored)",
