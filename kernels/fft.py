@@ -356,7 +356,8 @@ def _long_rows(xr, xi, *, inverse, scale, precision, interpret, split=None):
 
 
 def _transform(xr, xi, *, inverse, scale, precision, interpret):
-  if xr.shape[-1] > block_max(target_chip()):
+  # two calls beyond one block, and for lengths above 512 that are not multiples of 128 (1000 = 8 x 125)
+  if not _block_length(xr.shape[-1], block_max(target_chip())):
     return _long_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
   return _fft_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
 
