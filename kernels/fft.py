@@ -66,12 +66,13 @@ index, so each is DMAed to VMEM once per kernel launch.
 *Longer transforms* (``N > 65536``, up to ``2^20`` and beyond): ``N = N1 * N2`` with both
 halves handled by the kernel above; the same four-step factorisation one level up, with
 the transposes and the twiddle done by XLA between two kernel calls (several HBM round
-trips: the data no longer fits a VMEM block).
+trips: the data no longer fits a VMEM block). Lengths above 512 that are not multiples of
+128 but split into two one-call lengths (``1000 = 25 * 40``) take the same path.
 
-*Other lengths.* The kernel takes any ``N <= 512`` and any multiple of 128 up to 65536
-(so lengths with factors 2, 3, 5, 7 are covered in those ranges); others raise
-``NotImplementedError`` from the Pallas path, and ``implementation=None`` falls back to
-``jnp.fft`` (XLA).
+*Other lengths.* The kernel takes any ``N <= 512``, any multiple of 128 up to 65536 and
+products of two such lengths (so lengths with factors 2, 3, 5, 7 are covered in those
+ranges); others (a prime above 512) raise ``NotImplementedError`` from the Pallas path,
+and ``implementation=None`` falls back to ``jnp.fft`` (XLA).
 
 *Backward* (``custom_vjp``). A DFT is linear: on the real planes the transpose of
 ``x -> c F x`` is ``g -> c conj(F) g``, the same kernel in the other direction with the
@@ -356,7 +357,8 @@ def _long_rows(xr, xi, *, inverse, scale, precision, interpret, split=None):
 
 
 def _transform(xr, xi, *, inverse, scale, precision, interpret):
-  if xr.shape[-1] > block_max(target_chip()):
+  # two calls beyond one block, and for lengths above 512 that are not multiples of 128 (1000 = 8 x 125)
+  if not _block_length(xr.shape[-1], block_max(target_chip())):
     return _long_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
   return _fft_rows(xr, xi, inverse=inverse, scale=scale, precision=precision, interpret=interpret)
 

@@ -137,6 +137,20 @@ def test_long_length_four_step_matches_numpy():
   assert kfft._long_split(2 ** 20) == (1024, 1024) and kfft._long_split(2 ** 17) is not None
 
 
+@pytest.mark.parametrize("n", [1000, 600])
+def test_lengths_above_512_not_multiples_of_128_take_two_calls(n):
+  # supported_length says yes (a product of two one-stage lengths): the kernel must split them
+  # rather than reshape them into 128 lanes
+  x = crand((2, n), seed=n)
+  assert kfft.supported_length(n)
+  y = kfft.fft(jnp.asarray(x), **PALLAS)
+  assert rel(y, np.fft.fft(x.astype(np.complex128))) < BOUND["highest"]
+  dy = crand((2, n), seed=n + 1)
+  g = jax.vjp(lambda v: kfft.fft(v, **PALLAS), jnp.asarray(x))[1](jnp.asarray(dy))[0]
+  g_ref = jax.vjp(jnp.fft.fft, jnp.asarray(x))[1](jnp.asarray(dy))[0]
+  assert rel(g, g_ref) < BOUND["highest"]
+
+
 def test_gradients():
   kw = dict(norm="ortho", **PALLAS)
   small = jnp.asarray(crand((2, 24), seed=4))
