@@ -227,8 +227,23 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   return BlockSizes(best["bm"], best["bk"], best["bn"])
 
 
+def _balance(b: int, d: int, multiple: int) -> int:
+  """The smallest legal block that cuts ``d`` into as many blocks as ``b`` does (``b`` legal).
+
+  A tuned block rarely divides a dimension users bring: ``d = 5000`` in blocks of 4096 is
+  two blocks holding 8192 rows, 39% of them padding the MXU multiplies all the same. The
+  same two blocks of 2560 hold 5120. Never more blocks, never a larger block, so the
+  VMEM footprint and the grid only shrink.
+  """
+  if b >= d:
+    return b
+  c = tiling.round_up(tiling.cdiv(d, tiling.cdiv(d, b)), multiple)
+  return d if c >= d else min(b, c)
+
+
 def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat16,
-                    transpose_a: bool = False, transpose_b: bool = False, *, legalize: bool = False) -> BlockSizes:
+                    transpose_a: bool = False, transpose_b: bool = False, *, legalize: bool = False,
+                    balance: bool | None = None) -> BlockSizes:
   """The blocks the kernel really uses for ``[m, k] @ [k, n]``.
 
   A block larger than its dimension becomes the whole dimension, except that a few
@@ -242,6 +257,11 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
   (128 where the dimension is some operand's lane dimension), or to the whole
   dimension when that is smaller: a default call never fails on its blocks. Blocks a
   caller chose are not changed; the planner rejects illegal ones by name.
+
+  ``balance`` (default: ``legalize``) then shrinks each block to the smallest legal size
+  that still cuts its dimension into the same number of blocks (:func:`_balance`): the
+  tuned blocks' shape class, fitted to the problem's own dimensions, so an unaligned
+  dimension pays for less than one tiling multiple of padding per block.
   """
   bm, bk, bn = (min(blocks.bm, m), min(blocks.bk, k), min(blocks.bn, n))
   sub = tiling.sublane_multiple(dtype)
@@ -253,6 +273,10 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
     bm = legal(bm, m, tiling.LANES if transpose_a else sub)
     bk = legal(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
     bn = legal(bn, n, tiling.LANES)
+  if legalize if balance is None else balance:
+    bm = _balance(bm, m, tiling.LANES if transpose_a else sub)
+    bk = _balance(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
+    bn = _balance(bn, n, tiling.LANES)
   if bm == m and m % sub and not transpose_a:
     bm = min(blocks.bm, tiling.round_up(m, sub))
   return BlockSizes(bm, bk, bn)

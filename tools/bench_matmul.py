@@ -15,7 +15,13 @@ part of tuning; this script computes them and writes
   ``gelu(a @ b + bias)`` (f32 sum, cast once), with the exact (erf) gelu and its tanh
   approximation, and the plain matmul of each;
 * ``sweep``: the kernel at a grid of ``(bm, bk, bn)`` blocks on one problem (the
-  notebook's heatmap).
+  notebook's heatmap);
+* ``unaligned``: the shapes users bring (``UNALIGNED``: M, K, N in the thousands and
+  none a multiple of 512, vocabulary projections, decode and small-batch rows) on v5e
+  and v6e: this kernel at its default blocks (``ours``), at the blocks the previous
+  default chose -- the nearest tuned problem's blocks, legalized but not balanced
+  (``ours_nearest_tuned``, only where they differ) -- and XLA's ``a @ b`` (with and,
+  for skinny M, without cross-program prefetch).
 
 Every number is a **compiler estimate** (libtpu's static cost model through
 ``kernels.estimate_tpu``), never a measurement. Each estimate runs in a child process
@@ -32,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import importlib.metadata
@@ -63,6 +70,20 @@ SWEEP_BM = (128, 256, 512, 1024, 2048)
 SWEEP_BN = (128, 256, 512, 1024, 2048)
 SWEEP_BK = (512, 1024, 2048)
 
+# Shapes users bring (M, K, N): unaligned square-ish problems, vocabulary projections and
+# decode / small-batch rows; "skinny" ones (M <= 256) are also compared with XLA
+# without cross-program prefetch.
+UNALIGNED = ((1000, 3000, 5000), (3000, 5000, 7000), (7000, 1000, 3000), (5000, 7000, 1000),
+             (2048, 4096, 32000), (4096, 4096, 50257), (16, 4096, 50257), (128, 7000, 3000),
+             (256, 5000, 7000))
+UNALIGNED_GENERATIONS = ("v5e", "v6e")
+
+
+def previous_default_blocks(gen, m, k, n, dtype=jnp.bfloat16):
+  """The blocks the default chose before shape fitting: the nearest tuned problem's, legalized only."""
+  nearest = mm.default_block_sizes(gen, dtype, m, k, n)
+  return mm.fit_block_sizes(nearest, m, k, n, dtype, legalize=True, balance=False)
+
 
 def cases() -> list[dict]:
   """Every estimate the notebook needs, cheapest first (the 8192^3 ones take 3-15 min and ~8 GB each)."""
@@ -91,6 +112,15 @@ def cases() -> list[dict]:
     for bm in SWEEP_BM:
       for bn in SWEEP_BN:
         add("sweep", SWEEP_GENERATION, "ours", *SWEEP_PROBLEM, (bm, bk, bn))
+  for (m, k, n) in UNALIGNED:
+    for gen in UNALIGNED_GENERATIONS:
+      add("unaligned", gen, "ours", m, k, n)
+      add("unaligned", gen, "xla", m, k, n)
+      if m <= 256:
+        add("unaligned", gen, "xla", m, k, n, flags=NO_CROSS_PROGRAM_PREFETCH)
+      old = previous_default_blocks(gen, m, k, n)
+      if old != mm.fit_block_sizes(mm.default_block_sizes(gen, jnp.bfloat16, m, k, n), m, k, n, legalize=True):
+        add("unaligned", gen, "ours_nearest_tuned", m, k, n, dataclasses.astuple(old))
   for gen in ("v5e", "v6e"):
     add("jax_pallas", gen, "jax_pallas", 8192, 8192, 8192, GUIDE_BLOCKS)
     add("jax_pallas", gen, "ours", 8192, 8192, 8192, GUIDE_BLOCKS)
@@ -103,8 +133,10 @@ def _program(kind, gen, m, k, n, blocks):
   a, b, bias = (jax.ShapeDtypeStruct(s, bf16) for s in ((m, k), (k, n), (n,)))
   act = "gelu_tanh" if kind.endswith("gelu_tanh") else "gelu"
   if kind.startswith("ours"):
-    chosen = mm.BlockSizes(*blocks) if blocks else mm.default_block_sizes(gen, bf16, m, k, n)
-    used = mm.fit_block_sizes(chosen, m, k, n, bf16)
+    if blocks:
+      used = mm.fit_block_sizes(mm.BlockSizes(*blocks), m, k, n, bf16)
+    else:  # what a default call plans: the nearest tuned blocks, legalized and fitted to the shape
+      used = mm.fit_block_sizes(mm.default_block_sizes(gen, bf16, m, k, n), m, k, n, bf16, legalize=True)
     if kind == "ours":
       return (lambda a, b: mm.matmul(a, b, block_sizes=used)), (a, b), used
     return (lambda a, b, c: mm.matmul(a, b, bias=c, activation=act, block_sizes=used)), (a, b, bias), used
@@ -152,10 +184,12 @@ def estimate_isolated(case: dict) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=OUT)
-  ap.add_argument("--only", nargs="*", help="groups to run: jax_pallas skinny epilogue sweep")
+  ap.add_argument("--only", nargs="*", help="groups to run: jax_pallas skinny epilogue sweep unaligned")
   ap.add_argument("--force", action="store_true", help="recompute cases already stored")
   ap.add_argument("--skip-8192", action="store_true", help="leave out the 8192^3 cases (minutes and GBs each)")
   ap.add_argument("--list", action="store_true", help="print the cases that would run and exit")
+  ap.add_argument("--max-seconds", type=float, default=None,
+                  help="start no new estimate after this many seconds (rerun to resume)")
   ap.add_argument("--one", help="estimate one case given as JSON and print the result (used internally)")
   args = ap.parse_args(argv)
   if args.one:
@@ -190,6 +224,9 @@ def main(argv=None):
     sys.exit("the TPU compiler's cost model is unavailable (needs jax[tpu]; import kernels before jax)")
   t_all = time.time()
   for i, c in enumerate(todo):
+    if args.max_seconds is not None and time.time() - t_all > args.max_seconds:
+      print(f"stopping after {time.time() - t_all:.0f} s; {len(todo) - i} cases left (rerun to resume)")
+      break
     t0 = time.time()
     r = estimate_isolated(c)
     key = c["key"]
