@@ -748,8 +748,66 @@ def _sum_to_batch(x, full, own):
   return x.reshape((math.prod(own),) + x.shape[-2:])
 
 
-def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, interpret):
-  """The differentiable Pallas implementation (custom_vjp around one pallas_call)."""
+def xla_lays_out_column_major(shape, dtype) -> bool:
+  """True where XLA:TPU stores a 2-D array ``shape`` column-major by default.
+
+  TPU arrays live in (sublane, 128) tiles, so a minor dimension that is not a multiple of
+  128 is padded. XLA:TPU picks, for an array whose layout is its choice (a jitted
+  function's parameters and results), the dimension order that pads less: row-major
+  unless column-major holds strictly fewer padded elements (observed with AOT compiles on
+  v4, v5e and v6e: ``[4096, 50257]``, ``[7000, 1000]``, ``[256, 5000]`` are column-major,
+  ``[5000, 7000]``, ``[3000, 5000]``, ``[1000, 5000]`` row-major). ``dtype`` is unused:
+  XLA compares 8-row tiles for 16- and 32-bit types alike.
+  """
+  if len(shape) != 2:
+    return False
+  # XLA counts 8-row tiles here for every dtype (bf16's [1000, 5000] stays row-major).
+  r, c = shape
+  pad = lambda rows, cols: tiling.round_up(rows, tiling.SUBLANES) * tiling.round_up(cols, tiling.LANES)  # noqa: E731
+  return pad(c, r) < pad(r, c)
+
+
+def _stored_views(p: _Problem) -> tuple[_Problem, bool, bool, bool]:
+  """How a default 2-D call reads the arrays as XLA:TPU stores them.
+
+  A Pallas call takes row-major operands and writes a row-major output; for an operand
+  XLA stores column-major (:func:`xla_lays_out_column_major`) it would insert a relayout
+  copy -- a whole extra HBM read and write of the array -- before the kernel, and for a
+  column-major output one after it. The transpose of a column-major array is row-major
+  in the same bytes (a free bitcast), so:
+
+  * a column-major output ``C = op(A) @ op(B)`` is computed as ``C^T = op(B)^T @ op(A)^T``
+    (operands swapped, transposes flipped) and returned transposed -- not with a bias or
+    dropout, whose row and column roles the kernel does not swap;
+  * a column-major operand is read through its transpose with its ``transpose_*`` flag
+    flipped (the MXU takes a transposed right operand natively; a transposed left one
+    costs a tile transpose in VMEM, not HBM traffic).
+
+  Returns the problem the kernel runs and whether the output is swapped and each
+  operand (of the swapped problem) read transposed.
+  """
+  swap = not p.has_bias and not p.dropout_rate and xla_lays_out_column_major((p.m, p.n), p.out_dtype)
+  if swap:
+    p = dataclasses.replace(p, m=p.n, n=p.m, transpose_a=not p.transpose_b, transpose_b=not p.transpose_a)
+  flip_a = xla_lays_out_column_major((p.k, p.m) if p.transpose_a else (p.m, p.k), p.dtype)
+  flip_b = xla_lays_out_column_major((p.n, p.k) if p.transpose_b else (p.k, p.n), p.dtype)
+  p = dataclasses.replace(p, transpose_a=p.transpose_a != flip_a, transpose_b=p.transpose_b != flip_b)
+  return p, swap, flip_a, flip_b
+
+
+def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, interpret, as_stored=False):
+  """The differentiable Pallas implementation (custom_vjp around one pallas_call).
+
+  ``as_stored`` (default blocks, 2-D operands as the caller passed them): read and write the
+  arrays in the layouts XLA:TPU stores them in (:func:`_stored_views`)."""
+  if as_stored and blocks is None and not p.batch:  # caller's blocks keep the roles they were chosen for
+    q, swap, flip_a, flip_b = _stored_views(p)
+    if swap:
+      a, b = b, a
+    a = jnp.swapaxes(a, -1, -2) if flip_a else a
+    b = jnp.swapaxes(b, -1, -2) if flip_b else b
+    out = _pallas_path(a, b, bias, seed, p=q, blocks=None, interpret=interpret)
+    return out.T if swap else out
   a3, b3 = _as3d(a, p.a_batch), _as3d(b, p.b_batch)
 
   def forward(a3, b3, bias, seed, save_z):
@@ -854,11 +912,12 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=
   blocks = _check_blocks(block_sizes)
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
   shape = p.batch + (p.m, p.n)
+  as_stored = a.ndim == 2 and b.ndim == 2  # arrays whose TPU layout XLA picks by a known rule
   a, p = _fold(a, b, p)
   out = dispatch(
       "matmul", a, b, bias, seed,
       pallas=lambda a, b, bias, seed, interpret: _pallas_path(a, b, bias, seed, p=p, blocks=blocks,
-                                                              interpret=interpret),
+                                                              interpret=interpret, as_stored=as_stored),
       xla=lambda a, b, bias, seed: _reference(a, b, bias, seed, None, None, p=p),
       implementation=implementation, interpret=interpret, prefer_xla=PREFER_XLA)
   return out.reshape(shape)

@@ -79,6 +79,20 @@ UNALIGNED = ((1000, 3000, 5000), (3000, 5000, 7000), (7000, 1000, 3000), (5000, 
 UNALIGNED_GENERATIONS = ("v5e", "v6e")
 
 
+def default_plan(gen, m, k, n, dtype=jnp.bfloat16):
+  """The blocks (and operand views) a default ``matmul(a, b)`` call plans on ``gen``."""
+  from kernels.backend import target
+  sd = jax.ShapeDtypeStruct
+  p = mm._validate(sd((m, k), dtype), sd((k, n), dtype), transpose_a=False, transpose_b=False, bias=None,
+                   activation=None, out_dtype=None, precision=None, dropout_rate=0.0, dropout_key=None)
+  q, swap, flip_a, flip_b = mm._stored_views(p)
+  with target(gen):
+    plan = mm._plan(q, None, save_z=False)
+  # in the kernel's problem (C^T = B^T A^T when the output is swapped)
+  return {"blocks": mm.BlockSizes(plan.bm, plan.bk, plan.bn), "swap_output": swap, "flip_a": flip_a,
+          "flip_b": flip_b}
+
+
 def previous_default_blocks(gen, m, k, n, dtype=jnp.bfloat16):
   """The blocks the default chose before shape fitting: the nearest tuned problem's, legalized only."""
   nearest = mm.default_block_sizes(gen, dtype, m, k, n)
@@ -119,7 +133,8 @@ def cases() -> list[dict]:
       if m <= 256:
         add("unaligned", gen, "xla", m, k, n, flags=NO_CROSS_PROGRAM_PREFETCH)
       old = previous_default_blocks(gen, m, k, n)
-      if old != mm.fit_block_sizes(mm.default_block_sizes(gen, jnp.bfloat16, m, k, n), m, k, n, legalize=True):
+      now = default_plan(gen, m, k, n)
+      if old != now["blocks"] or now["swap_output"] or now["flip_a"] or now["flip_b"]:
         add("unaligned", gen, "ours_nearest_tuned", m, k, n, dataclasses.astuple(old))
   for gen in ("v5e", "v6e"):
     add("jax_pallas", gen, "jax_pallas", 8192, 8192, 8192, GUIDE_BLOCKS)
@@ -133,10 +148,10 @@ def _program(kind, gen, m, k, n, blocks):
   a, b, bias = (jax.ShapeDtypeStruct(s, bf16) for s in ((m, k), (k, n), (n,)))
   act = "gelu_tanh" if kind.endswith("gelu_tanh") else "gelu"
   if kind.startswith("ours"):
-    if blocks:
-      used = mm.fit_block_sizes(mm.BlockSizes(*blocks), m, k, n, bf16)
-    else:  # what a default call plans: the nearest tuned blocks, legalized and fitted to the shape
-      used = mm.fit_block_sizes(mm.default_block_sizes(gen, bf16, m, k, n), m, k, n, bf16, legalize=True)
+    if not blocks and kind == "ours":  # the default call itself: its blocks and operand views
+      return (lambda a, b: mm.matmul(a, b)), (a, b), default_plan(gen, m, k, n)
+    used = mm.fit_block_sizes(mm.BlockSizes(*blocks), m, k, n, bf16) if blocks else \
+        mm.fit_block_sizes(mm.default_block_sizes(gen, bf16, m, k, n), m, k, n, bf16, legalize=True)
     if kind == "ours":
       return (lambda a, b: mm.matmul(a, b, block_sizes=used)), (a, b), used
     return (lambda a, b, c: mm.matmul(a, b, bias=c, activation=act, block_sizes=used)), (a, b, bias), used
@@ -162,6 +177,9 @@ def estimate_one(case: dict) -> dict:
   t0 = time.time()
   e = kernels.estimate_tpu(fn, *args, generation=gen, flops=flops, bytes_accessed=nbytes)
   out = {**e.record(), "wall_seconds": round(time.time() - t0, 1)}
+  if isinstance(used, dict):  # a default call: it may swap the output and read operands transposed
+    out["layout"] = {f: used[f] for f in ("swap_output", "flip_a", "flip_b")}
+    used = used["blocks"]
   if used is not None:
     out["blocks_used"] = [used.bm, used.bk, used.bn]
   out["ops"] = e.ops  # cycles per HLO op: how many kernels (fusions) the program has
