@@ -199,6 +199,35 @@ def estimate_isolated(case: dict) -> dict:
   return {"error": "the compiler or its cost model crashed: " + (tail[0][:200] if tail else f"exit {proc.returncode}")}
 
 
+def nearby_shapes(m, k, n, count=3):
+  """Shapes next to (m, k, n) for XLA's program where libtpu's cost model aborts on it: one
+  dimension at a time moved to its nearest multiple of 128, the smallest change first."""
+  out = []
+  for axis, d in enumerate((m, k, n)):
+    for moved in {128 * round(d / 128), 128 * -(-d // 128)}:
+      if moved != d and moved > 0:
+        shape = [m, k, n]
+        shape[axis] = moved
+        out.append((abs(moved - d) / d, tuple(shape)))
+  return [s for _, s in sorted(out)][:count]
+
+
+def estimate_or_nearby(case: dict) -> dict:
+  """:func:`estimate_isolated`; for XLA's program, where the cost model aborts, the nearest shape it
+  can estimate (``estimated_as``: compare after scaling by the FLOP ratio, and say so)."""
+  r = estimate_isolated(case)
+  if "error" not in r or case["kind"] != "xla" or case["group"] != "unaligned":
+    return r
+  for shape in nearby_shapes(case["m"], case["k"], case["n"]):
+    near = estimate_isolated({**case, **dict(zip("mkn", shape))})
+    if "error" not in near:
+      return {**near, "estimated_as": list(shape),
+              "note": f"libtpu's cost model aborted on XLA's program at {case['m']}x{case['k']}x{case['n']} "
+                      f"({r['error'][:120]}); estimated at the nearest shape it could: "
+                      f"{'x'.join(map(str, shape))}"}
+  return r
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=OUT)
@@ -223,7 +252,13 @@ def main(argv=None):
       "description": ("Compiler estimates (libtpu's static cost model via kernels.estimate_tpu) of bf16 matmuls "
                       "for the GEMM notebook: JAX's Pallas matmul at the guide's blocks, skinny shapes against "
                       "XLA with and without cross-program prefetch, the fused bias+gelu epilogue against XLA, "
-                      "and a block-size sweep. Estimates, not measurements. Computed by tools/bench_matmul.py."),
+                      "a block-size sweep, and 'unaligned': the shapes users bring (dimensions that are multiples "
+                      "of no block) at the default call (kind ours; blocks_used are of the kernel's problem, "
+                      "layout says whether it computes C^T and reads A or B through its transpose), at the "
+                      "previous default (ours_nearest_tuned: the nearest tuned problem's blocks, legalized only) "
+                      "and XLA; an XLA record with estimated_as was estimated at that nearby shape because the "
+                      "cost model aborted at the problem's own. Estimates, not measurements. Computed by "
+                      "tools/bench_matmul.py."),
       "generated_by": "tools/bench_matmul.py",
       "environment": {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu"),
                       "python": platform.python_version()},
@@ -246,7 +281,7 @@ def main(argv=None):
       print(f"stopping after {time.time() - t_all:.0f} s; {len(todo) - i} cases left (rerun to resume)")
       break
     t0 = time.time()
-    r = estimate_isolated(c)
+    r = estimate_or_nearby(c)
     key = c["key"]
     results[key] = {**{f: c[f] for f in ("group", "generation", "kind", "m", "k", "n", "blocks")},
                     "cross_program_prefetch": not c["libtpu_flags"], **r,
