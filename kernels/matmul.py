@@ -42,7 +42,10 @@ the default scoped limit when the blocks need it.
 *Block sizes.* :class:`BlockSizes` ``(bm, bk, bn)``. The defaults come from
 ``kernels/data/matmul_blocks.json``: per generation and input dtype, a list of
 problems tuned by ``tools/tune_matmul.py`` with the compiler's cost model; a call
-uses the blocks of the nearest tuned problem (:func:`default_block_sizes`). v4
+uses the blocks of the nearest tuned problem (:func:`default_block_sizes`), fitted to
+its own dimensions: each block shrinks to the smallest legal size that keeps the
+number of blocks along its dimension (:func:`fit_block_sizes`), so K = 5000 runs as
+two blocks of 2560, not two of 4096 with 39% of the second one padding. v4
 has no cost model in libtpu: its entries are v5p's, shrunk to v4's 16 MiB VMEM.
 
 *Accumulation.* Always f32 (int32 for int8) in VMEM. The first K step writes the
@@ -72,11 +75,18 @@ and N are partial: Pallas reads what exists, the rows/columns beyond the edge
 hold stale VMEM, and only the valid part of the output tile is written, so they
 cannot leak. In K a partial last block would add garbage (maybe NaN) into real
 outputs, so the last K step zeroes the out-of-range columns of A and rows of B
-(a select, only on that step, only when ``K % bk != 0``). One cost remains
-outside the kernel: XLA:TPU lays out an array whose minor dimension is not a
-multiple of 128 (e.g. ``[3000, 777]``) column-major by default, and a Pallas
-call wants row-major operands, so XLA inserts a relayout copy for such inputs
-and outputs when they come straight from the caller.
+(a select, only on that step, only when ``K % bk != 0``).
+
+*Arrays as XLA stores them.* XLA:TPU stores an array whose minor dimension is not a
+multiple of 128 column-major when that pads fewer tiles (``[4096, 50257]``,
+``[3000, 777]``; :func:`xla_lays_out_column_major`), and a Pallas call reads and
+writes row-major arrays, so XLA would copy such an operand before the kernel (or
+the output after it): a whole extra HBM read and write, twice the cost of a decode
+step through a vocabulary projection. A default 2-D call reads a column-major
+operand through its transpose (the transpose flag flipped; the transpose of a
+column-major array is a bitcast) and computes a column-major output as
+``C^T = op(B)^T @ op(A)^T`` (``_stored_views``). Calls with explicit blocks keep
+their operand roles, and calls with a bias or dropout keep the output copy.
 
 *Batch dimensions.* Leading dimensions broadcast like ``jnp.matmul``. When B has
 none and A is not transposed, the batch is folded into M (a free reshape), so the
@@ -157,7 +167,7 @@ from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, TilingError, check
 from kernels.hardware import get_chip
 
-__all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul",
+__all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul", "xla_lays_out_column_major",
            "matmul_reference",
            "quantized_matmul", "quantized_matmul_reference"]
 
@@ -259,7 +269,7 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
   caller chose are not changed; the planner rejects illegal ones by name.
 
   ``balance`` (default: ``legalize``) then shrinks each block to the smallest legal size
-  that still cuts its dimension into the same number of blocks (:func:`_balance`): the
+  that still cuts its dimension into the same number of blocks (``_balance``): the
   tuned blocks' shape class, fitted to the problem's own dimensions, so an unaligned
   dimension pays for less than one tiling multiple of padding per block.
   """
@@ -799,7 +809,7 @@ def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, in
   """The differentiable Pallas implementation (custom_vjp around one pallas_call).
 
   ``as_stored`` (default blocks, 2-D operands as the caller passed them): read and write the
-  arrays in the layouts XLA:TPU stores them in (:func:`_stored_views`)."""
+  arrays in the layouts XLA:TPU stores them in (``_stored_views``)."""
   if as_stored and blocks is None and not p.batch:  # caller's blocks keep the roles they were chosen for
     q, swap, flip_a, flip_b = _stored_views(p)
     if swap:
