@@ -167,9 +167,8 @@ from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, TilingError, check
 from kernels.hardware import get_chip
 
-__all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul", "xla_lays_out_column_major",
-           "matmul_reference",
-           "quantized_matmul", "quantized_matmul_reference"]
+__all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul",
+           "matmul_reference", "quantized_matmul", "quantized_matmul_reference", "xla_lays_out_column_major"]
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
