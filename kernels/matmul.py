@@ -207,6 +207,9 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
+# Dimensions at least this large count as "large" when a call looks up its shape class.
+CLASS_CAP = 2048
+
 # Used when the table is missing or lacks an entry: the JAX Pallas guide's bf16 choice.
 _FALLBACK = BlockSizes(512, 1024, 1024)
 
@@ -230,9 +233,13 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   if not entries:
     return _FALLBACK
 
-  def distance(e):
-    return sum(abs(math.log2(max(x, 1) / e[name])) for x, name in ((m, "m"), (k, "k"), (n, "n")))
-  best = min(entries, key=distance)
+  def distance(e, cap=None):
+    clip = (lambda v: min(v, cap)) if cap else (lambda v: v)  # noqa: E731
+    return sum(abs(math.log2(clip(max(x, 1)) / clip(e[name]))) for x, name in ((m, "m"), (k, "k"), (n, "n")))
+  # A shape's class is set by its small dimensions: beyond the largest output block
+  # (CLASS_CAP) a dimension's size no longer changes which blocks suit it, so the
+  # distance is taken on dimensions capped there (ties: the uncapped distance).
+  best = min(entries, key=lambda e: (distance(e, CLASS_CAP), distance(e)))
   return BlockSizes(best["bm"], best["bk"], best["bn"])
 
 

@@ -94,9 +94,12 @@ def default_plan(gen, m, k, n, dtype=jnp.bfloat16):
 
 
 def previous_default_blocks(gen, m, k, n, dtype=jnp.bfloat16):
-  """The blocks the default chose before shape fitting: the nearest tuned problem's, legalized only."""
-  nearest = mm.default_block_sizes(gen, dtype, m, k, n)
-  return mm.fit_block_sizes(nearest, m, k, n, dtype, legalize=True, balance=False)
+  """The blocks the default chose before shape classes and fitting (2026-11-25): the tuned problem
+  nearest in uncapped log2 distance, its blocks legalized only."""
+  import math
+  entries = mm.tiling.block_table("matmul")[gen][jnp.dtype(dtype).name]
+  e = min(entries, key=lambda e: sum(abs(math.log2(x / e[d])) for x, d in ((m, "m"), (k, "k"), (n, "n"))))
+  return mm.fit_block_sizes(mm.BlockSizes(e["bm"], e["bk"], e["bn"]), m, k, n, dtype, legalize=True, balance=False)
 
 
 def cases() -> list[dict]:
