@@ -257,6 +257,17 @@ def _balance(b: int, d: int, multiple: int) -> int:
   return d if c >= d else min(b, c)
 
 
+def _balance_k(b: int, d: int, multiple: int) -> int:
+  """:func:`_balance` for the contraction, which may also take one or two more blocks when that
+  pads less (K = 5000 in blocks of at most 2048: four of 1280, not three of 1792). More K
+  steps re-read nothing; they only add a step's fixed cost."""
+  if b >= d:
+    return b
+  nb = tiling.cdiv(d, b)
+  sizes = [_balance(tiling.round_up(tiling.cdiv(d, j), multiple), d, multiple) for j in (nb, nb + 1, nb + 2)]
+  return min((tiling.cdiv(d, c) * c, tiling.cdiv(d, c), c) for c in sizes if c <= b)[2]
+
+
 def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat16,
                     transpose_a: bool = False, transpose_b: bool = False, *, legalize: bool = False,
                     balance: bool | None = None) -> BlockSizes:
@@ -291,7 +302,7 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
     bn = legal(bn, n, tiling.LANES)
   if legalize if balance is None else balance:
     bm = _balance(bm, m, tiling.LANES if transpose_a else sub)
-    bk = _balance(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
+    bk = _balance_k(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
     bn = _balance(bn, n, tiling.LANES)
   if bm == m and m % sub and not transpose_a:
     bm = min(blocks.bm, tiling.round_up(m, sub))
