@@ -220,9 +220,12 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
 
   ``kernels/data/matmul_blocks.json`` lists, per generation and input dtype, the
   problems ``tools/tune_matmul.py`` tuned with the compiler's cost model and the
-  blocks it chose. A call uses the blocks of the tuned problem nearest to it (in
-  ``log2`` distance over M, K and N), so square shapes and decode-like shapes each
-  get blocks tuned for their kind.
+  blocks it chose. A call uses the blocks of the tuned problem nearest to it in
+  ``log2`` distance over M, K and N, each capped at :data:`CLASS_CAP`: the small
+  dimensions decide the shape class (decode rows, a narrow output, large), so square
+  shapes, decode-like shapes and a ``[1000, 3000] @ [3000, 5000]`` (large, not
+  "256 rows") each get blocks tuned for their kind. The planner then fits them to
+  the call's own dimensions (:func:`fit_block_sizes`).
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
   per_gen = tiling.block_table("matmul").get(gen, {})
