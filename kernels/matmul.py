@@ -164,7 +164,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, TilingError, check
+from kernels.errors import KernelError, TilingError, VmemOverflowError, check
 from kernels.hardware import get_chip
 
 __all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul",
@@ -209,13 +209,15 @@ class BlockSizes:
 
 # Dimensions at least this large count as "large" when a call looks up its shape class.
 CLASS_CAP = 2048
+# A tuned problem with M or N at most this is a skinny class (decode, small batch, narrow output).
+SKINNY = 256
 
 # Used when the table is missing or lacks an entry: the JAX Pallas guide's bf16 choice.
 _FALLBACK = BlockSizes(512, 1024, 1024)
 
 
 def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: int = 4096,
-                        n: int = 4096) -> BlockSizes:
+                        n: int = 4096, *, keep_whole: bool = True) -> BlockSizes:
   """The shipped default blocks for a problem ``[m, k] @ [k, n]`` on ``generation`` (None: v5e).
 
   ``kernels/data/matmul_blocks.json`` lists, per generation and input dtype, the
@@ -226,6 +228,13 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   shapes, decode-like shapes and a ``[1000, 3000] @ [3000, 5000]`` (large, not
   "256 rows") each get blocks tuned for their kind. The planner then fits them to
   the call's own dimensions (:func:`fit_block_sizes`).
+
+  In a skinny class (M or N at most :data:`SKINNY`) a block that covers its whole tuned
+  dimension stays whole (``keep_whole``): the tuner chose a K block as deep as K and a
+  block as wide as the small dimension so that the small operand's block index never
+  changes and Pallas fetches it once, and cutting K = 5000 into two blocks would fetch
+  it again for every block of the large dimension. (The planner falls back to the
+  tuned size where a whole dimension does not fit VMEM.)
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
   per_gen = tiling.block_table("matmul").get(gen, {})
@@ -243,7 +252,10 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   # (CLASS_CAP) a dimension's size no longer changes which blocks suit it, so the
   # distance is taken on dimensions capped there (ties: the uncapped distance).
   best = min(entries, key=lambda e: (distance(e, CLASS_CAP), distance(e)))
-  return BlockSizes(best["bm"], best["bk"], best["bn"])
+  blocks = [best["bm"], best["bk"], best["bn"]]
+  if keep_whole and min(best["m"], best["n"]) <= SKINNY:
+    blocks = [max(b, x) if b >= best[d] else b for b, x, d in zip(blocks, (m, k, n), "mkn")]
+  return BlockSizes(*blocks)
 
 
 def _balance(b: int, d: int, multiple: int) -> int:
@@ -548,10 +560,22 @@ class _Plan:
 
 
 def _plan(p: _Problem, blocks: BlockSizes | None, *, save_z: bool) -> _Plan:
+  if blocks is not None:
+    return _plan_blocks(p, blocks, save_z=save_z, default=False)
   chip = target_chip()
-  default = blocks is None
-  if default:
-    blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.m, p.k, p.n)
+  gen = chip.name if chip else None
+  whole = default_block_sizes(gen, p.dtype, p.m, p.k, p.n)
+  try:
+    return _plan_blocks(p, whole, save_z=save_z, default=True)
+  except VmemOverflowError:  # a whole dimension too large for VMEM: the tuned blocks themselves
+    plain = default_block_sizes(gen, p.dtype, p.m, p.k, p.n, keep_whole=False)
+    if plain == whole:
+      raise
+    return _plan_blocks(p, plain, save_z=save_z, default=True)
+
+
+def _plan_blocks(p: _Problem, blocks: BlockSizes, *, save_z: bool, default: bool) -> _Plan:
+  chip = target_chip()
   for name in ("bm", "bk", "bn"):
     v = getattr(blocks, name)
     check(isinstance(v, (int, np.integer)) and v > 0, "block_sizes", blocks, f"{name} must be a positive int")
