@@ -230,11 +230,11 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   the call's own dimensions (:func:`fit_block_sizes`).
 
   In a skinny class (M or N at most :data:`SKINNY`) a block that covers its whole tuned
-  dimension stays whole (``keep_whole``): the tuner chose a K block as deep as K and a
-  block as wide as the small dimension so that the small operand's block index never
-  changes and Pallas fetches it once, and cutting K = 5000 into two blocks would fetch
-  it again for every block of the large dimension. (The planner falls back to the
-  tuned size where a whole dimension does not fit VMEM.)
+  dimension stays whole (``keep_whole``), and where the small dimension's block is
+  whole so is K's: then the small operand is one block whose index never changes and
+  Pallas fetches it once, while cutting K = 5000 into two blocks would fetch it again
+  for every block of the large dimension. (The planner falls back to the tuned size
+  where a whole dimension does not fit VMEM.)
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
   per_gen = tiling.block_table("matmul").get(gen, {})
@@ -255,6 +255,8 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   blocks = [best["bm"], best["bk"], best["bn"]]
   if keep_whole and min(best["m"], best["n"]) <= SKINNY:
     blocks = [max(b, x) if b >= best[d] else b for b, x, d in zip(blocks, (m, k, n), "mkn")]
+    if any(best[d] <= SKINNY and blocks[i] >= best[d] for i, d in ((0, "m"), (2, "n"))):
+      blocks[1] = max(blocks[1], k)  # the small operand's block is whole: make it the whole operand
   return BlockSizes(*blocks)
 
 

@@ -238,6 +238,7 @@ def main(argv=None):
   ap.add_argument("--out", default=OUT)
   ap.add_argument("--only", nargs="*", help="groups to run: jax_pallas skinny epilogue sweep unaligned")
   ap.add_argument("--force", action="store_true", help="recompute cases already stored")
+  ap.add_argument("--match", help="only cases whose key matches this regular expression")
   ap.add_argument("--skip-8192", action="store_true", help="leave out the 8192^3 cases (minutes and GBs each)")
   ap.add_argument("--list", action="store_true", help="print the cases that would run and exit")
   ap.add_argument("--max-seconds", type=float, default=None,
@@ -271,7 +272,9 @@ def main(argv=None):
                 "bk": list(SWEEP_BK), "bn": list(SWEEP_BN)},
   })
   results = table.setdefault("results", {})
+  import re
   todo = [c for c in cases() if (not args.only or c["group"] in args.only)
+          and (not args.match or re.search(args.match, c["key"]))
           and (args.force or c["key"] not in results or "error" in results[c["key"]])
           and not (args.skip_8192 and c["m"] == 8192 and c["k"] == 8192 and c["n"] == 8192)]
   if args.list:
