@@ -42,7 +42,10 @@ the default scoped limit when the blocks need it.
 *Block sizes.* :class:`BlockSizes` ``(bm, bk, bn)``. The defaults come from
 ``kernels/data/matmul_blocks.json``: per generation and input dtype, a list of
 problems tuned by ``tools/tune_matmul.py`` with the compiler's cost model; a call
-uses the blocks of the nearest tuned problem (:func:`default_block_sizes`). v4
+uses the blocks of the nearest tuned problem (:func:`default_block_sizes`), fitted to
+its own dimensions: each block shrinks to the smallest legal size that keeps the
+number of blocks along its dimension (:func:`fit_block_sizes`), so K = 5000 runs as
+two blocks of 2560, not two of 4096 with 39% of the second one padding. v4
 has no cost model in libtpu: its entries are v5p's, shrunk to v4's 16 MiB VMEM.
 
 *Accumulation.* Always f32 (int32 for int8) in VMEM. The first K step writes the
@@ -72,11 +75,18 @@ and N are partial: Pallas reads what exists, the rows/columns beyond the edge
 hold stale VMEM, and only the valid part of the output tile is written, so they
 cannot leak. In K a partial last block would add garbage (maybe NaN) into real
 outputs, so the last K step zeroes the out-of-range columns of A and rows of B
-(a select, only on that step, only when ``K % bk != 0``). One cost remains
-outside the kernel: XLA:TPU lays out an array whose minor dimension is not a
-multiple of 128 (e.g. ``[3000, 777]``) column-major by default, and a Pallas
-call wants row-major operands, so XLA inserts a relayout copy for such inputs
-and outputs when they come straight from the caller.
+(a select, only on that step, only when ``K % bk != 0``).
+
+*Arrays as XLA stores them.* XLA:TPU stores an array whose minor dimension is not a
+multiple of 128 column-major when that pads fewer tiles (``[4096, 50257]``,
+``[3000, 777]``; :func:`xla_lays_out_column_major`), and a Pallas call reads and
+writes row-major arrays, so XLA would copy such an operand before the kernel (or
+the output after it): a whole extra HBM read and write, twice the cost of a decode
+step through a vocabulary projection. A default 2-D call reads a column-major
+operand through its transpose (the transpose flag flipped; the transpose of a
+column-major array is a bitcast) and computes a column-major output as
+``C^T = op(B)^T @ op(A)^T`` (``_stored_views``). Calls with explicit blocks keep
+their operand roles, and calls with a bias or dropout keep the output copy.
 
 *Batch dimensions.* Leading dimensions broadcast like ``jnp.matmul``. When B has
 none and A is not transposed, the batch is folded into M (a free reshape), so the
@@ -154,12 +164,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, TilingError, check
+from kernels.errors import KernelError, TilingError, VmemOverflowError, check
 from kernels.hardware import get_chip
 
 __all__ = ["ACTIVATIONS", "BlockSizes", "default_block_sizes", "dropout_keep_mask", "fit_block_sizes", "matmul",
-           "matmul_reference",
-           "quantized_matmul", "quantized_matmul_reference"]
+           "matmul_reference", "quantized_matmul", "quantized_matmul_reference", "xla_lays_out_column_major"]
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -198,19 +207,34 @@ class BlockSizes:
     return dataclasses.asdict(self)
 
 
+# Dimensions at least this large count as "large" when a call looks up its shape class.
+CLASS_CAP = 2048
+# A tuned problem with M or N at most this is a skinny class (decode, small batch, narrow output).
+SKINNY = 256
+
 # Used when the table is missing or lacks an entry: the JAX Pallas guide's bf16 choice.
 _FALLBACK = BlockSizes(512, 1024, 1024)
 
 
 def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: int = 4096,
-                        n: int = 4096) -> BlockSizes:
+                        n: int = 4096, *, keep_whole: bool = True) -> BlockSizes:
   """The shipped default blocks for a problem ``[m, k] @ [k, n]`` on ``generation`` (None: v5e).
 
   ``kernels/data/matmul_blocks.json`` lists, per generation and input dtype, the
   problems ``tools/tune_matmul.py`` tuned with the compiler's cost model and the
-  blocks it chose. A call uses the blocks of the tuned problem nearest to it (in
-  ``log2`` distance over M, K and N), so square shapes and decode-like shapes each
-  get blocks tuned for their kind.
+  blocks it chose. A call uses the blocks of the tuned problem nearest to it in
+  ``log2`` distance over M, K and N, each capped at :data:`CLASS_CAP`: the small
+  dimensions decide the shape class (decode rows, a narrow output, large), so square
+  shapes, decode-like shapes and a ``[1000, 3000] @ [3000, 5000]`` (large, not
+  "256 rows") each get blocks tuned for their kind. The planner then fits them to
+  the call's own dimensions (:func:`fit_block_sizes`).
+
+  In a skinny class (M or N at most :data:`SKINNY`) a block that covers its whole tuned
+  dimension stays whole (``keep_whole``), and where the small dimension's block is
+  whole so is K's: then the small operand is one block whose index never changes and
+  Pallas fetches it once, while cutting K = 5000 into two blocks would fetch it again
+  for every block of the large dimension. (The planner falls back to the tuned size
+  where a whole dimension does not fit VMEM.)
   """
   gen = get_chip(generation).name if generation is not None else "v5e"
   per_gen = tiling.block_table("matmul").get(gen, {})
@@ -221,14 +245,49 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, m: int = 4096, k: i
   if not entries:
     return _FALLBACK
 
-  def distance(e):
-    return sum(abs(math.log2(max(x, 1) / e[name])) for x, name in ((m, "m"), (k, "k"), (n, "n")))
-  best = min(entries, key=distance)
-  return BlockSizes(best["bm"], best["bk"], best["bn"])
+  def distance(e, cap=None):
+    clip = (lambda v: min(v, cap)) if cap else (lambda v: v)  # noqa: E731
+    return sum(abs(math.log2(clip(max(x, 1)) / clip(e[name]))) for x, name in ((m, "m"), (k, "k"), (n, "n")))
+  # A shape's class is set by its small dimensions: beyond the largest output block
+  # (CLASS_CAP) a dimension's size no longer changes which blocks suit it, so the
+  # distance is taken on dimensions capped there (ties: the uncapped distance).
+  best = min(entries, key=lambda e: (distance(e, CLASS_CAP), distance(e)))
+  blocks = [best["bm"], best["bk"], best["bn"]]
+  if keep_whole and min(best["m"], best["n"]) <= SKINNY:
+    blocks = [max(b, x) if b >= best[d] else b for b, x, d in zip(blocks, (m, k, n), "mkn")]
+    if any(best[d] <= SKINNY and blocks[i] >= best[d] for i, d in ((0, "m"), (2, "n"))):
+      blocks[1] = max(blocks[1], k)  # the small operand's block is whole: make it the whole operand
+  return BlockSizes(*blocks)
+
+
+def _balance(b: int, d: int, multiple: int) -> int:
+  """The smallest legal block that cuts ``d`` into as many blocks as ``b`` does (``b`` legal).
+
+  A tuned block rarely divides a dimension users bring: ``d = 5000`` in blocks of 4096 is
+  two blocks holding 8192 rows, 39% of them padding the MXU multiplies all the same. The
+  same two blocks of 2560 hold 5120. Never more blocks, never a larger block, so the
+  VMEM footprint and the grid only shrink.
+  """
+  if b >= d:
+    return b
+  c = tiling.round_up(tiling.cdiv(d, tiling.cdiv(d, b)), multiple)
+  return d if c >= d else min(b, c)
+
+
+def _balance_k(b: int, d: int, multiple: int) -> int:
+  """:func:`_balance` for the contraction, which may also take one or two more blocks when that
+  pads less (K = 5000 in blocks of at most 2048: four of 1280, not three of 1792). More K
+  steps re-read nothing; they only add a step's fixed cost."""
+  if b >= d:
+    return b
+  nb = tiling.cdiv(d, b)
+  sizes = [_balance(tiling.round_up(tiling.cdiv(d, j), multiple), d, multiple) for j in (nb, nb + 1, nb + 2)]
+  return min((tiling.cdiv(d, c) * c, tiling.cdiv(d, c), c) for c in sizes if c <= b)[2]
 
 
 def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat16,
-                    transpose_a: bool = False, transpose_b: bool = False, *, legalize: bool = False) -> BlockSizes:
+                    transpose_a: bool = False, transpose_b: bool = False, *, legalize: bool = False,
+                    balance: bool | None = None) -> BlockSizes:
   """The blocks the kernel really uses for ``[m, k] @ [k, n]``.
 
   A block larger than its dimension becomes the whole dimension, except that a few
@@ -242,6 +301,11 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
   (128 where the dimension is some operand's lane dimension), or to the whole
   dimension when that is smaller: a default call never fails on its blocks. Blocks a
   caller chose are not changed; the planner rejects illegal ones by name.
+
+  ``balance`` (default: ``legalize``) then shrinks each block to the smallest legal size
+  that still cuts its dimension into the same number of blocks (``_balance``): the
+  tuned blocks' shape class, fitted to the problem's own dimensions, so an unaligned
+  dimension pays for less than one tiling multiple of padding per block.
   """
   bm, bk, bn = (min(blocks.bm, m), min(blocks.bk, k), min(blocks.bn, n))
   sub = tiling.sublane_multiple(dtype)
@@ -253,6 +317,10 @@ def fit_block_sizes(blocks: BlockSizes, m: int, k: int, n: int, dtype=jnp.bfloat
     bm = legal(bm, m, tiling.LANES if transpose_a else sub)
     bk = legal(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
     bn = legal(bn, n, tiling.LANES)
+  if legalize if balance is None else balance:
+    bm = _balance(bm, m, tiling.LANES if transpose_a else sub)
+    bk = _balance_k(bk, k, tiling.SUBLANES if transpose_a and not transpose_b else tiling.LANES)
+    bn = _balance(bn, n, tiling.LANES)
   if bm == m and m % sub and not transpose_a:
     bm = min(blocks.bm, tiling.round_up(m, sub))
   return BlockSizes(bm, bk, bn)
@@ -494,10 +562,22 @@ class _Plan:
 
 
 def _plan(p: _Problem, blocks: BlockSizes | None, *, save_z: bool) -> _Plan:
+  if blocks is not None:
+    return _plan_blocks(p, blocks, save_z=save_z, default=False)
   chip = target_chip()
-  default = blocks is None
-  if default:
-    blocks = default_block_sizes(chip.name if chip else None, p.dtype, p.m, p.k, p.n)
+  gen = chip.name if chip else None
+  whole = default_block_sizes(gen, p.dtype, p.m, p.k, p.n)
+  try:
+    return _plan_blocks(p, whole, save_z=save_z, default=True)
+  except VmemOverflowError:  # a whole dimension too large for VMEM: the tuned blocks themselves
+    plain = default_block_sizes(gen, p.dtype, p.m, p.k, p.n, keep_whole=False)
+    if plain == whole:
+      raise
+    return _plan_blocks(p, plain, save_z=save_z, default=True)
+
+
+def _plan_blocks(p: _Problem, blocks: BlockSizes, *, save_z: bool, default: bool) -> _Plan:
+  chip = target_chip()
   for name in ("bm", "bk", "bn"):
     v = getattr(blocks, name)
     check(isinstance(v, (int, np.integer)) and v > 0, "block_sizes", blocks, f"{name} must be a positive int")
@@ -724,8 +804,66 @@ def _sum_to_batch(x, full, own):
   return x.reshape((math.prod(own),) + x.shape[-2:])
 
 
-def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, interpret):
-  """The differentiable Pallas implementation (custom_vjp around one pallas_call)."""
+def xla_lays_out_column_major(shape, dtype) -> bool:
+  """True where XLA:TPU stores a 2-D array ``shape`` column-major by default.
+
+  TPU arrays live in (sublane, 128) tiles, so a minor dimension that is not a multiple of
+  128 is padded. XLA:TPU picks, for an array whose layout is its choice (a jitted
+  function's parameters and results), the dimension order that pads less: row-major
+  unless column-major holds strictly fewer padded elements (observed with AOT compiles on
+  v4, v5e and v6e: ``[4096, 50257]``, ``[7000, 1000]``, ``[256, 5000]`` are column-major,
+  ``[5000, 7000]``, ``[3000, 5000]``, ``[1000, 5000]`` row-major). ``dtype`` is unused:
+  XLA compares 8-row tiles for 16- and 32-bit types alike.
+  """
+  if len(shape) != 2:
+    return False
+  # XLA counts 8-row tiles here for every dtype (bf16's [1000, 5000] stays row-major).
+  r, c = shape
+  pad = lambda rows, cols: tiling.round_up(rows, tiling.SUBLANES) * tiling.round_up(cols, tiling.LANES)  # noqa: E731
+  return pad(c, r) < pad(r, c)
+
+
+def _stored_views(p: _Problem) -> tuple[_Problem, bool, bool, bool]:
+  """How a default 2-D call reads the arrays as XLA:TPU stores them.
+
+  A Pallas call takes row-major operands and writes a row-major output; for an operand
+  XLA stores column-major (:func:`xla_lays_out_column_major`) it would insert a relayout
+  copy -- a whole extra HBM read and write of the array -- before the kernel, and for a
+  column-major output one after it. The transpose of a column-major array is row-major
+  in the same bytes (a free bitcast), so:
+
+  * a column-major output ``C = op(A) @ op(B)`` is computed as ``C^T = op(B)^T @ op(A)^T``
+    (operands swapped, transposes flipped) and returned transposed -- not with a bias or
+    dropout, whose row and column roles the kernel does not swap;
+  * a column-major operand is read through its transpose with its ``transpose_*`` flag
+    flipped (the MXU takes a transposed right operand natively; a transposed left one
+    costs a tile transpose in VMEM, not HBM traffic).
+
+  Returns the problem the kernel runs and whether the output is swapped and each
+  operand (of the swapped problem) read transposed.
+  """
+  swap = not p.has_bias and not p.dropout_rate and xla_lays_out_column_major((p.m, p.n), p.out_dtype)
+  if swap:
+    p = dataclasses.replace(p, m=p.n, n=p.m, transpose_a=not p.transpose_b, transpose_b=not p.transpose_a)
+  flip_a = xla_lays_out_column_major((p.k, p.m) if p.transpose_a else (p.m, p.k), p.dtype)
+  flip_b = xla_lays_out_column_major((p.n, p.k) if p.transpose_b else (p.k, p.n), p.dtype)
+  p = dataclasses.replace(p, transpose_a=p.transpose_a != flip_a, transpose_b=p.transpose_b != flip_b)
+  return p, swap, flip_a, flip_b
+
+
+def _pallas_path(a, b, bias, seed, *, p: _Problem, blocks: BlockSizes | None, interpret, as_stored=False):
+  """The differentiable Pallas implementation (custom_vjp around one pallas_call).
+
+  ``as_stored`` (default blocks, 2-D operands as the caller passed them): read and write the
+  arrays in the layouts XLA:TPU stores them in (``_stored_views``)."""
+  if as_stored and blocks is None and not p.batch:  # caller's blocks keep the roles they were chosen for
+    q, swap, flip_a, flip_b = _stored_views(p)
+    if swap:
+      a, b = b, a
+    a = jnp.swapaxes(a, -1, -2) if flip_a else a
+    b = jnp.swapaxes(b, -1, -2) if flip_b else b
+    out = _pallas_path(a, b, bias, seed, p=q, blocks=None, interpret=interpret)
+    return out.T if swap else out
   a3, b3 = _as3d(a, p.a_batch), _as3d(b, p.b_batch)
 
   def forward(a3, b3, bias, seed, save_z):
@@ -830,11 +968,12 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=
   blocks = _check_blocks(block_sizes)
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
   shape = p.batch + (p.m, p.n)
+  as_stored = a.ndim == 2 and b.ndim == 2  # arrays whose TPU layout XLA picks by a known rule
   a, p = _fold(a, b, p)
   out = dispatch(
       "matmul", a, b, bias, seed,
       pallas=lambda a, b, bias, seed, interpret: _pallas_path(a, b, bias, seed, p=p, blocks=blocks,
-                                                              interpret=interpret),
+                                                              interpret=interpret, as_stored=as_stored),
       xla=lambda a, b, bias, seed: _reference(a, b, bias, seed, None, None, p=p),
       implementation=implementation, interpret=interpret, prefer_xla=PREFER_XLA)
   return out.reshape(shape)

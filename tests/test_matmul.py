@@ -258,6 +258,28 @@ def test_default_blocks_run():
   assert_close(matmul(a, b, interpret=True), oracle(a, b), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("m,k,n,transpose_a,transpose_b,views", [
+    (256, 136, 200, False, False, (True, False, True)),   # C^T computed; b (stored column-major) read transposed
+    (40, 256, 200, False, False, (False, False, True)),   # only b read through its transpose
+    (200, 256, 136, False, True, (True, False, False)),   # C^T with the caller's transpose flags swapped
+    (256, 136, 200, True, True, (True, True, False)),
+])
+def test_default_call_reads_arrays_as_stored(m, k, n, transpose_a, transpose_b, views):
+  """Unaligned shapes at default blocks: the output computed transposed and operands read through
+  their transposes (where XLA:TPU stores them column-major) give the same values and gradients."""
+  a, b = operands(m, k, n, transpose_a=transpose_a, transpose_b=transpose_b)
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, activation="gelu")
+  p = mm._validate(a, b, bias=None, out_dtype=None, precision=None, dropout_rate=0.0, dropout_key=None, **kw)
+  assert mm._stored_views(p)[1:] == views
+  ct = rand((m, n), seed=5, scale=1)
+  out, vjp = jax.vjp(lambda a, b: matmul(a, b, implementation="pallas", interpret=True, **kw), a, b)
+  grads, ref_grads = vjp(ct), jax.vjp(lambda a, b: matmul_reference(a, b, **kw), a, b)[1](ct)
+  assert_close(out, oracle(a, b, **kw), jnp.float32)
+  for g, r in zip(grads, ref_grads):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=GRAD_RTOL * float(jnp.abs(r).max()))
+
+
 def test_xla_implementation_is_the_reference():
   a, b = operands(64, 128, 128)
   kw = dict(bias=rand((128,), seed=1, scale=1), activation="gelu_tanh", dropout_rate=0.2,
@@ -516,6 +538,74 @@ def test_default_plan_with_transposed_a_at_every_small_m():
     np.testing.assert_allclose(got, matmul_reference(a, b, transpose_a=True), rtol=2e-5, atol=2e-4)
 
 
+# Shapes users bring: M, K, N in the thousands, none a multiple of 512; vocabulary projections;
+# decode and small-batch rows (the notebook's "unaligned" sweep, and a few more).
+UNALIGNED = [(1000, 3000, 5000), (3000, 5000, 7000), (7000, 1000, 3000), (5000, 7000, 1000), (2048, 4096, 32000),
+             (4096, 4096, 50257), (16, 4096, 50257), (128, 7000, 3000), (256, 5000, 7000), (50257, 4096, 4096),
+             (1, 50257, 1000), (32000, 1000, 7000)]
+
+
+@pytest.mark.parametrize("gen", kernels.TPU_GENERATIONS)
+def test_default_blocks_fit_unaligned_shapes(gen):
+  """The block chooser over shape classes (plans only, no compiles): at every unaligned shape, each
+  transpose combination and in the views the default call runs (:func:`_stored_views`), the plan is
+  legal and fits VMEM (the planner raises otherwise), and each block is the tuned one balanced: no
+  larger, no more blocks, less than one tiling multiple of padding per block."""
+  rng = np.random.default_rng(0)
+  shapes = UNALIGNED + [tuple(int(x) for x in rng.integers(1, 60000, 3)) for _ in range(10)]
+  for dtype, (m, k, n), ta, tb in itertools.product((jnp.bfloat16, jnp.float32), shapes, (False, True),
+                                                     (False, True)):
+    base = _default_plan(gen, dtype, m, k, n, ta, tb)
+    p = mm._validate(jax.ShapeDtypeStruct((k, m) if ta else (m, k), dtype),
+                     jax.ShapeDtypeStruct((n, k) if tb else (k, n), dtype), transpose_a=ta, transpose_b=tb,
+                     bias=None, activation=None, out_dtype=None, precision=None, dropout_rate=0.0, dropout_key=None)
+    q = mm._stored_views(p)[0]
+    with kernels.backend.target(gen):
+      plan = mm._plan(q, None, save_z=False)
+    for prob, pl_ in ((p, base), (q, plan)):
+      # (a skinny class may keep a dimension whole: checked against the tuned blocks otherwise)
+      tuned = mm.fit_block_sizes(mm.default_block_sizes(gen, dtype, prob.m, prob.k, prob.n, keep_whole=False),
+                                 prob.m, prob.k, prob.n, dtype, prob.transpose_a, prob.transpose_b, legalize=True,
+                                 balance=False)
+      sub = kernels.tiling.sublane_multiple(dtype)
+      # (K may take up to two more blocks when that pads less: more K steps re-read nothing)
+      for d, b, b0, multiple, extra in (
+          (prob.m, pl_.bm, tuned.bm, 128 if prob.transpose_a else sub, 0),
+          (prob.k, pl_.bk, tuned.bk, 8 if prob.transpose_a and not prob.transpose_b else 128, 2),
+          (prob.n, pl_.bn, tuned.bn, 128, 0)):
+        if b >= d:
+          continue
+        assert b <= b0 and math.ceil(d / b) <= math.ceil(d / b0) + extra, (gen, m, k, n, ta, tb, b, b0)
+        assert math.ceil(d / b) * b <= math.ceil(d / b0) * b0, (gen, m, k, n, ta, tb, b, b0)
+        if b < d:
+          assert math.ceil(d / b) * b - d < math.ceil(d / b) * multiple, (gen, m, k, n, ta, tb, d, b)
+
+
+def test_balanced_blocks_cut_the_padding():
+  # K = 5000 in the tuned 4096: two blocks, 8192 rows -> two of 2560, 5120 rows.
+  assert mm.fit_block_sizes(BlockSizes(1024, 4096, 1024), 3000, 5000, 7000, legalize=True) == \
+      BlockSizes(1008, 2560, 1024)
+  # ... and in blocks of at most 2048: four of 1280 (5120 rows), not three of 1792 (5376)
+  assert mm.fit_block_sizes(BlockSizes(1024, 2048, 1024), 3000, 5000, 7000, legalize=True).bk == 1280
+  assert mm.fit_block_sizes(BlockSizes(1024, 4096, 1024), 3000, 5000, 7000, legalize=True, balance=False) == \
+      BlockSizes(1024, 4096, 1024)
+  # a skinny class keeps a whole tuned dimension whole (256 x 4096 x 4096 on v5e: bk = K)
+  assert mm.default_block_sizes("v5e", jnp.bfloat16, 200, 5000, 3000).bk == 5000
+  assert mm.default_block_sizes("v5e", jnp.bfloat16, 200, 5000, 3000, keep_whole=False).bk == 4096
+  # caller's blocks are kept as given
+  assert mm.fit_block_sizes(BlockSizes(1024, 4096, 1024), 3000, 5000, 7000) == BlockSizes(1024, 4096, 1024)
+
+
+def test_layout_rule():
+  # XLA:TPU's default layouts of 2-D parameters, observed with AOT compiles (v4, v5e, v6e alike):
+  # column-major exactly where that pads fewer (8, 128) tiles.
+  column = [(4096, 50257), (7000, 1000), (256, 5000), (128, 7000), (3000, 777), (7000, 3000), (1024, 1000)]
+  row = [(16, 4096), (5000, 7000), (1000, 3000), (3000, 5000), (1000, 5000), (5000, 1000), (4096, 32000),
+         (50257, 4096), (1000, 50257), (999, 256), (1000, 128)]
+  assert all(mm.xla_lays_out_column_major(s, jnp.bfloat16) for s in column)
+  assert not any(mm.xla_lays_out_column_major(s, jnp.bfloat16) for s in row)
+
+
 # --- ahead-of-time compilation for TPU -----------------------------------------------
 
 sds = jax.ShapeDtypeStruct
@@ -540,6 +630,29 @@ def test_aot_compiles_at_defaults(generation):
 def _hlo_ops(hlo: str) -> set[str]:
   import re
   return set(re.findall(r"= \S+ ([a-z][\w-]*)\(", hlo))
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_unaligned_shapes_compile_without_relayout_copies(generation):
+  # Two shapes of the unaligned benchmark: the vocabulary projection at decode (B [4096, 50257] is
+  # stored column-major) and [7000, 1000] @ [1000, 3000] (A and the output column-major). The
+  # default call reads and writes them as stored: no copy op before or after the kernel.
+  # (profile=False: libtpu's cost model aborts the process on v5p's decode kernel with B read
+  # transposed; the compiler itself is fine.)
+  for m, k, n in ((16, 4096, 50257), (7000, 1000, 3000)):
+    comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b), sds((m, k), bf16), sds((k, n), bf16),
+                                   generation=generation, profile=False)
+    assert _hlo_ops(comp.hlo) <= {"parameter", "bitcast", "custom-call"}, (m, k, n, _hlo_ops(comp.hlo))
+
+
+@pytest.mark.tpu_aot
+def test_layout_rule_matches_xla():
+  import re
+  for shape in [(4096, 50257), (7000, 1000), (256, 5000), (5000, 7000), (1000, 5000), (999, 256)]:
+    comp = kernels.compile_for_tpu(lambda x: x + 1, sds(shape, bf16), generation="v5e")
+    layout = re.search(r"entry_computation_layout=\{\(\S+?\{([0-9,]+)", comp.hlo).group(1)
+    assert (layout == "0,1") == mm.xla_lays_out_column_major(shape, bf16), (shape, layout)
 
 
 @pytest.mark.tpu_aot

@@ -15,7 +15,14 @@ part of tuning; this script computes them and writes
   ``gelu(a @ b + bias)`` (f32 sum, cast once), with the exact (erf) gelu and its tanh
   approximation, and the plain matmul of each;
 * ``sweep``: the kernel at a grid of ``(bm, bk, bn)`` blocks on one problem (the
-  notebook's heatmap).
+  notebook's heatmap);
+* ``unaligned``: the shapes users bring (``UNALIGNED``: M, K, N in the thousands and
+  none a multiple of 512, vocabulary projections, decode and small-batch rows) on v5e
+  and v6e: this kernel at its default blocks (``ours``), at the blocks the previous
+  default chose -- the nearest tuned problem's blocks, legalized but not balanced
+  (``ours_nearest_tuned``, only where they differ) -- and XLA's ``a @ b`` (for skinny
+  M without cross-program prefetch, so that it reads its weight from HBM as the kernel
+  does).
 
 Every number is a **compiler estimate** (libtpu's static cost model through
 ``kernels.estimate_tpu``), never a measurement. Each estimate runs in a child process
@@ -32,6 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import importlib.metadata
@@ -63,6 +71,38 @@ SWEEP_BM = (128, 256, 512, 1024, 2048)
 SWEEP_BN = (128, 256, 512, 1024, 2048)
 SWEEP_BK = (512, 1024, 2048)
 
+# Shapes users bring (M, K, N): unaligned square-ish problems, vocabulary projections and
+# decode / small-batch rows; "skinny" ones (M <= 256) are also compared with XLA
+# without cross-program prefetch.
+# (An estimate's wall time grows with the FLOPs: 3000x5000x7000 takes one to two minutes,
+# so the vocabulary projection is estimated at 512 rows, not thousands.)
+UNALIGNED = ((16, 4096, 50257), (128, 7000, 3000), (1000, 3000, 5000), (7000, 1000, 3000), (256, 5000, 7000),
+             (5000, 7000, 1000), (512, 4096, 50257), (3000, 5000, 7000))
+UNALIGNED_GENERATIONS = ("v5e", "v6e")
+
+
+def default_plan(gen, m, k, n, dtype=jnp.bfloat16):
+  """The blocks (and operand views) a default ``matmul(a, b)`` call plans on ``gen``."""
+  from kernels.backend import target
+  sd = jax.ShapeDtypeStruct
+  p = mm._validate(sd((m, k), dtype), sd((k, n), dtype), transpose_a=False, transpose_b=False, bias=None,
+                   activation=None, out_dtype=None, precision=None, dropout_rate=0.0, dropout_key=None)
+  q, swap, flip_a, flip_b = mm._stored_views(p)
+  with target(gen):
+    plan = mm._plan(q, None, save_z=False)
+  # in the kernel's problem (C^T = B^T A^T when the output is swapped)
+  return {"blocks": mm.BlockSizes(plan.bm, plan.bk, plan.bn), "swap_output": swap, "flip_a": flip_a,
+          "flip_b": flip_b}
+
+
+def previous_default_blocks(gen, m, k, n, dtype=jnp.bfloat16):
+  """The blocks the default chose before shape classes and fitting (2026-11-25): the tuned problem
+  nearest in uncapped log2 distance, its blocks legalized only."""
+  import math
+  entries = mm.tiling.block_table("matmul")[gen][jnp.dtype(dtype).name]
+  e = min(entries, key=lambda e: sum(abs(math.log2(x / e[d])) for x, d in ((m, "m"), (k, "k"), (n, "n"))))
+  return mm.fit_block_sizes(mm.BlockSizes(e["bm"], e["bk"], e["bn"]), m, k, n, dtype, legalize=True, balance=False)
+
 
 def cases() -> list[dict]:
   """Every estimate the notebook needs, cheapest first (the 8192^3 ones take 3-15 min and ~8 GB each)."""
@@ -91,6 +131,16 @@ def cases() -> list[dict]:
     for bm in SWEEP_BM:
       for bn in SWEEP_BN:
         add("sweep", SWEEP_GENERATION, "ours", *SWEEP_PROBLEM, (bm, bk, bn))
+  for (m, k, n) in UNALIGNED:
+    for gen in UNALIGNED_GENERATIONS:
+      add("unaligned", gen, "ours", m, k, n)
+      # skinny M: XLA would prefetch the weight into VMEM uncharged (see ``skinny``), so
+      # only the program that reads it from HBM, as the kernel does, is estimated
+      add("unaligned", gen, "xla", m, k, n, flags=NO_CROSS_PROGRAM_PREFETCH if m <= 256 else "")
+      old = previous_default_blocks(gen, m, k, n)
+      now = default_plan(gen, m, k, n)
+      if old != now["blocks"] or now["swap_output"] or now["flip_a"] or now["flip_b"]:
+        add("unaligned", gen, "ours_nearest_tuned", m, k, n, dataclasses.astuple(old))
   for gen in ("v5e", "v6e"):
     add("jax_pallas", gen, "jax_pallas", 8192, 8192, 8192, GUIDE_BLOCKS)
     add("jax_pallas", gen, "ours", 8192, 8192, 8192, GUIDE_BLOCKS)
@@ -103,8 +153,10 @@ def _program(kind, gen, m, k, n, blocks):
   a, b, bias = (jax.ShapeDtypeStruct(s, bf16) for s in ((m, k), (k, n), (n,)))
   act = "gelu_tanh" if kind.endswith("gelu_tanh") else "gelu"
   if kind.startswith("ours"):
-    chosen = mm.BlockSizes(*blocks) if blocks else mm.default_block_sizes(gen, bf16, m, k, n)
-    used = mm.fit_block_sizes(chosen, m, k, n, bf16)
+    if not blocks and kind == "ours":  # the default call itself: its blocks and operand views
+      return (lambda a, b: mm.matmul(a, b)), (a, b), default_plan(gen, m, k, n)
+    used = mm.fit_block_sizes(mm.BlockSizes(*blocks), m, k, n, bf16) if blocks else \
+        mm.fit_block_sizes(mm.default_block_sizes(gen, bf16, m, k, n), m, k, n, bf16, legalize=True)
     if kind == "ours":
       return (lambda a, b: mm.matmul(a, b, block_sizes=used)), (a, b), used
     return (lambda a, b, c: mm.matmul(a, b, bias=c, activation=act, block_sizes=used)), (a, b, bias), used
@@ -130,6 +182,9 @@ def estimate_one(case: dict) -> dict:
   t0 = time.time()
   e = kernels.estimate_tpu(fn, *args, generation=gen, flops=flops, bytes_accessed=nbytes)
   out = {**e.record(), "wall_seconds": round(time.time() - t0, 1)}
+  if isinstance(used, dict):  # a default call: it may swap the output and read operands transposed
+    out["layout"] = {f: used[f] for f in ("swap_output", "flip_a", "flip_b")}
+    used = used["blocks"]
   if used is not None:
     out["blocks_used"] = [used.bm, used.bk, used.bn]
   out["ops"] = e.ops  # cycles per HLO op: how many kernels (fusions) the program has
@@ -149,13 +204,45 @@ def estimate_isolated(case: dict) -> dict:
   return {"error": "the compiler or its cost model crashed: " + (tail[0][:200] if tail else f"exit {proc.returncode}")}
 
 
+def nearby_shapes(m, k, n, count=3):
+  """Shapes next to (m, k, n) for XLA's program where libtpu's cost model aborts on it: one
+  dimension at a time moved to its nearest multiple of 128, the smallest change first."""
+  out = []
+  for axis, d in enumerate((m, k, n)):
+    for moved in {128 * round(d / 128), 128 * -(-d // 128)}:
+      if moved != d and moved > 0:
+        shape = [m, k, n]
+        shape[axis] = moved
+        out.append((abs(moved - d) / d, tuple(shape)))
+  return [s for _, s in sorted(out)][:count]
+
+
+def estimate_or_nearby(case: dict) -> dict:
+  """:func:`estimate_isolated`; for XLA's program, where the cost model aborts, the nearest shape it
+  can estimate (``estimated_as``: compare after scaling by the FLOP ratio, and say so)."""
+  r = estimate_isolated(case)
+  if "error" not in r or case["kind"] != "xla" or case["group"] != "unaligned":
+    return r
+  for shape in nearby_shapes(case["m"], case["k"], case["n"]):
+    near = estimate_isolated({**case, **dict(zip("mkn", shape))})
+    if "error" not in near:
+      return {**near, "estimated_as": list(shape),
+              "note": f"libtpu's cost model aborted on XLA's program at {case['m']}x{case['k']}x{case['n']} "
+                      f"({r['error'][:120]}); estimated at the nearest shape it could: "
+                      f"{'x'.join(map(str, shape))}"}
+  return r
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=OUT)
-  ap.add_argument("--only", nargs="*", help="groups to run: jax_pallas skinny epilogue sweep")
+  ap.add_argument("--only", nargs="*", help="groups to run: jax_pallas skinny epilogue sweep unaligned")
   ap.add_argument("--force", action="store_true", help="recompute cases already stored")
+  ap.add_argument("--match", help="only cases whose key matches this regular expression")
   ap.add_argument("--skip-8192", action="store_true", help="leave out the 8192^3 cases (minutes and GBs each)")
   ap.add_argument("--list", action="store_true", help="print the cases that would run and exit")
+  ap.add_argument("--max-seconds", type=float, default=None,
+                  help="start no new estimate after this many seconds (rerun to resume)")
   ap.add_argument("--one", help="estimate one case given as JSON and print the result (used internally)")
   args = ap.parse_args(argv)
   if args.one:
@@ -171,7 +258,13 @@ def main(argv=None):
       "description": ("Compiler estimates (libtpu's static cost model via kernels.estimate_tpu) of bf16 matmuls "
                       "for the GEMM notebook: JAX's Pallas matmul at the guide's blocks, skinny shapes against "
                       "XLA with and without cross-program prefetch, the fused bias+gelu epilogue against XLA, "
-                      "and a block-size sweep. Estimates, not measurements. Computed by tools/bench_matmul.py."),
+                      "a block-size sweep, and 'unaligned': the shapes users bring (dimensions that are multiples "
+                      "of no block) at the default call (kind ours; blocks_used are of the kernel's problem, "
+                      "layout says whether it computes C^T and reads A or B through its transpose), at the "
+                      "previous default (ours_nearest_tuned: the nearest tuned problem's blocks, legalized only) "
+                      "and XLA; an XLA record with estimated_as was estimated at that nearby shape because the "
+                      "cost model aborted at the problem's own. Estimates, not measurements. Computed by "
+                      "tools/bench_matmul.py."),
       "generated_by": "tools/bench_matmul.py",
       "environment": {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu"),
                       "python": platform.python_version()},
@@ -179,7 +272,9 @@ def main(argv=None):
                 "bk": list(SWEEP_BK), "bn": list(SWEEP_BN)},
   })
   results = table.setdefault("results", {})
+  import re
   todo = [c for c in cases() if (not args.only or c["group"] in args.only)
+          and (not args.match or re.search(args.match, c["key"]))
           and (args.force or c["key"] not in results or "error" in results[c["key"]])
           and not (args.skip_8192 and c["m"] == 8192 and c["k"] == 8192 and c["n"] == 8192)]
   if args.list:
@@ -190,8 +285,11 @@ def main(argv=None):
     sys.exit("the TPU compiler's cost model is unavailable (needs jax[tpu]; import kernels before jax)")
   t_all = time.time()
   for i, c in enumerate(todo):
+    if args.max_seconds is not None and time.time() - t_all > args.max_seconds:
+      print(f"stopping after {time.time() - t_all:.0f} s; {len(todo) - i} cases left (rerun to resume)")
+      break
     t0 = time.time()
-    r = estimate_isolated(c)
+    r = estimate_or_nearby(c)
     key = c["key"]
     results[key] = {**{f: c[f] for f in ("group", "generation", "kind", "m", "k", "n", "blocks")},
                     "cross_program_prefetch": not c["libtpu_flags"], **r,

@@ -54,6 +54,16 @@ from kernels.errors import KernelError  # noqa: E402
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
                    "matmul_blocks.json")
 
+DESCRIPTION = (
+    "Default (bm, bk, bn) of kernels.matmul per TPU generation and input dtype, for the tuned problems "
+    "[M, K] @ [K, N] (defaults[generation][dtype]: a list of {m, k, n, bm, bk, bn, estimate, xla, ...}). "
+    "A call takes the shape class of the tuned problem nearest to it in log2 distance over M, K and N, each "
+    "dimension capped at kernels.matmul.CLASS_CAP (its small dimensions define the class: decode rows, a "
+    "narrow output, or large), then fits those blocks to its own dimensions: each block shrinks to the "
+    "smallest legal size that keeps the number of blocks along its dimension (K may take up to two more "
+    "when that pads less). Chosen by tools/tune_matmul.py from compiler estimates (libtpu's static cost "
+    "model via kernels.estimate_tpu): estimates, not measurements.")
+
 # (M, K, N): square sizes, and the skinny shapes of inference (decode: a few rows;
 # small-batch prefill; a narrow output projection).
 PROBLEMS = {
@@ -259,10 +269,7 @@ def main(argv=None):
 
   table = result_tables.load(args.out)
   table.update({
-      "description": ("Default (bm, bk, bn) of kernels.matmul per TPU generation and input dtype, for the tuned "
-                      "problems [M, K] @ [K, N]; a call uses the nearest tuned problem (log2 distance). "
-                      "Chosen by tools/tune_matmul.py from compiler estimates (libtpu's static cost model via "
-                      "kernels.estimate_tpu): estimates, not measurements."),
+      "description": DESCRIPTION,
       "generated_by": "tools/tune_matmul.py",
       "environment": {"jax": jax.__version__, "python": platform.python_version()},
   })
