@@ -54,6 +54,7 @@ Usage::
   python tools/bench_attention.py --only target            # just the S=8192 D=128 causal forward
   python tools/bench_attention.py --peers ours             # re-estimate ours only
   python tools/bench_attention.py --memory                 # temp HBM of XLA vs flash, S=1k..16k (compile only)
+  python tools/bench_attention.py --rope                   # RoPE fused into the kernel vs kernels.rope + it vs XLA
   # while another job holds the lock: short estimates only, each stopped after 75 s
   python tools/bench_attention.py --only target --no-lock --timeout 75
 
@@ -333,11 +334,68 @@ def build(peer, c, blocks):
       return _with_vjp(make(*a[n:]), bwd)(*a[:n])
     shapes = [(h, s, d), (hk, s, d), (hk, s, d)] + ([(h, s, d)] if bwd else [])
     return g, [_sds(x) for x in shapes] + tables
+  elif peer in ROPE_PEERS:  # all three in [B, S, H, D] (the layout kernels.rope reads)
+    shapes = [(b, s, h, d), (b, s, hk, d), (b, s, hk, d)]
+    f = _rope_peer(peer, causal, scale)
   else:
     raise ValueError(peer)
   if bwd:
     shapes.append(shapes[0])
   return _with_vjp(f, bwd), [_sds(x) for x in shapes]
+
+
+# --- RoPE fused into the kernel (--rope) -----------------------------------------------
+#
+# flash_attention(..., rope=RotaryEmbedding()) rotates q and k in VMEM; the unfused program runs
+# kernels.rope on q and k (an HBM pass over each, forward and backward) and then flash_attention;
+# XLA's is kernels.rope_reference then jax.nn.dot_product_attention(implementation="xla"). The
+# stored hbm_bytes are the compiler's counted traffic of each whole program.
+
+ROPE_PEERS = ("ours_rope_fused", "ours_rope_unfused", "xla_rope")
+ROPE_CASES = [case(8192, 128, True, bwd, heads=8) for bwd in (False, True)]
+
+
+def _rope_peer(peer, causal, scale):
+  import importlib
+  km = importlib.import_module("kernels")
+  rope = km.RotaryEmbedding()
+  if peer == "ours_rope_fused":
+    return lambda q, k, v: km.flash_attention(q, k, v, causal=causal, scale=scale, rope=rope)
+  if peer == "ours_rope_unfused":
+    return lambda q, k, v: km.flash_attention(rope(q), rope(k), v, causal=causal, scale=scale)
+  return lambda q, k, v: jax.nn.dot_product_attention(rope.reference(q), rope.reference(k), v, is_causal=causal,
+                                                      scale=scale, implementation="xla")
+
+
+def run_rope(args):
+  """Estimates of the three RoPE programs on ROPE_CASES, stored under ``"rope"`` in the table."""
+  table = result_tables.load(args.out) or _header()
+  rt = table.setdefault("rope", {
+      "description": "RoPE + causal attention, [batch, seq, heads, head_dim] bf16 in [B, S, H, D]: "
+                     "ours_rope_fused = flash_attention(q, k, v, rope=RotaryEmbedding()) (q and k rotated in "
+                     "VMEM); ours_rope_unfused = kernels.rope on q and k, then flash_attention; xla_rope = "
+                     "kernels.rope_reference then jax.nn.dot_product_attention(implementation='xla'). "
+                     "us: compiler estimate (floored); hbm_bytes: the compiler's counted HBM traffic of the "
+                     "whole program (forward, or jax.vjp forward+backward).",
+      "results": {}})
+  for c in ROPE_CASES:
+    key = case_key(c)
+    for gen in args.generations:
+      for peer in ROPE_PEERS:
+        res = rt["results"].setdefault(key, {"shape": c}).setdefault(gen, {})
+        if peer in res and not args.force:
+          continue
+        if peer == "xla_rope" and c["seq"] * c["heads"] >= 8192 * 2:
+          res[peer] = {"error": XLA_TOO_BIG.replace("(2 heads)", "(2 heads; here 8)")}
+        else:
+          t0 = time.time()
+          res[peer] = estimate_isolated(peer, c, gen, None)
+          res[peer]["wall_seconds"] = round(time.time() - t0, 1)
+          res[peer]["date"] = datetime.date.today().isoformat()
+        result_tables.save(table, args.out)
+        r = res[peer]
+        print(gen, key, peer, f"{r['us']:.1f} us, {r['hbm_bytes'] / 2**20:.1f} MiB" if "us" in r else r["error"],
+              flush=True)
 
 
 def _ours_blocks(blocks):
@@ -644,6 +702,8 @@ def main():
   p.add_argument("--hold-lock", action="store_true", help="take the heavy-work lock once for the whole run "
                  "(otherwise once per estimate); --minutes counts from when it is taken")
   p.add_argument("--memory", action="store_true", help="temp HBM of the compiled programs (no estimates)")
+  p.add_argument("--rope", action="store_true", help="RoPE fused into the kernel against kernels.rope + the "
+                 "kernel and XLA (stored under 'rope')")
   args = p.parse_args()
   MAX_RSS_GB = args.max_rss_gb
   if args.one:
@@ -665,6 +725,9 @@ def main():
     fcntl.flock(lk, fcntl.LOCK_EX)
     HOLDING_LOCK = True
   args.deadline = time.time() + 60 * args.minutes if args.minutes else None
+  if args.rope:
+    run_rope(args)
+    return
   run(args)
 
 
