@@ -90,6 +90,19 @@ gradient, ``-sum_i exp(sink - lse_i) * D_i``, is computed in XLA.
 the counter-based hash of :mod:`kernels.matmul`, with ``row = (b * heads + h) *
 q_len + i``. The denominator ``l`` sums the probabilities before dropout.
 
+*RoPE* (``rope=RotaryEmbedding(...)``): q and k are rotated inside the kernels rather than
+by an HBM pass of :func:`kernels.rope` over each. The forward rotates (and scales) a q block
+once, at its first kv step, into the VMEM scratch the steps read, and a k block at every step
+(each q block reads it again). A block's cos / sin rows are composed in VMEM by the angle
+addition formulas from the rows of positions ``0 .. block - 1`` (a constant block index:
+fetched once) and one row per block, its first position's: fetching a block's f32 rows at every
+step would move four times the bytes of the bf16 k block. The backward kernels rotate the q / k
+tiles they load and rotate dq and dk back by the opposite angle before writing them (the fused
+dq: each tile's contribution, before it is added); the rotation is
+:func:`kernels.rope.rotate_tile`, the RoPE kernel's own. Keys sit at positions ``0 ..
+kv_len - 1``, queries at ``kv_len - q_len + i``; the XLA path is :func:`kernels.rope_reference`
+of q and k, then the reference.
+
 *Backward* (``custom_vjp``). The forward saves ``lse``; ``D = rowsum(dO * O)`` is one
 XLA reduction. Two kernels (one when dq is fused, see below):
 
@@ -174,7 +187,7 @@ from kernels.errors import KernelError, VmemOverflowError, check
 from kernels.matmul import dropout_keep_mask, dropout_seed
 from kernels.rope import RotaryEmbedding, _rotate_xla
 
-__all__ = ["BlockSizes", "RotaryEmbedding", "attention_reference", "default_block_sizes", "flash_attention"]
+__all__ = ["BlockSizes", "attention_reference", "default_block_sizes", "flash_attention"]
 
 LAYOUTS = ("BSHD", "BHSD")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

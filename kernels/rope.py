@@ -56,6 +56,11 @@ XLA path (``implementation="pallas"`` still runs the kernel).
 
 *Backward.* A rotation is orthogonal: the gradient is the rotation by the opposite
 angle, the same kernel with the sign of ``sin`` flipped (``custom_vjp``).
+
+*Fused into attention.* :class:`RotaryEmbedding` holds these options for
+``kernels.flash_attention(..., rope=...)``, which rotates q and k tiles in VMEM with
+:func:`rotate_tile` (this kernel's rotation) and builds each block's rows with
+:func:`compose_rows`, saving this kernel's HBM pass over q and k.
 """
 from __future__ import annotations
 
