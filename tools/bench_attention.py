@@ -352,9 +352,21 @@ def build(peer, c, blocks):
 # stored hbm_bytes are the compiler's counted traffic of each whole program.
 
 ROPE_PEERS = ("ours_rope_fused", "ours_rope_unfused", "xla_rope")
-# 2 heads, as the other cases (at 8 heads the cost model's process took more than 8 GB of RAM); the
-# traffic saved scales with the heads. XLA is estimated at S=4096 only (see XLA_TOO_BIG).
-ROPE_CASES = [case(s, 128, True, bwd) for s in (8192, 4096) for bwd in (False, True)]
+# 2 heads, as the other cases (at 8 heads the cost model's process took more than 8 GB of RAM, and at
+# S=8192 even with 2); the traffic saved scales with the heads. XLA fits at S=4096 only (XLA_TOO_BIG).
+ROPE_CASES = [case(s, 128, True, bwd) for s in (2048, 4096, 8192) for bwd in (False, True)]
+
+
+ROPE_SHAPES = {case_key(c): c for c in ROPE_CASES}
+ROPE_HEADER = {
+    "description": "RoPE + causal attention, [batch, seq, heads, head_dim] bf16 in [B, S, H, D]: "
+                   "ours_rope_fused = flash_attention(q, k, v, rope=RotaryEmbedding()) (q and k rotated in "
+                   "VMEM); ours_rope_unfused = kernels.rope on q and k, then flash_attention; xla_rope = "
+                   "kernels.rope_reference then jax.nn.dot_product_attention(implementation='xla'). "
+                   "us: compiler estimate (floored); hbm_bytes: the compiler's counted HBM traffic of the "
+                   "whole program (forward, or jax.vjp forward+backward).",
+    "script": "tools/bench_attention.py --rope",
+}
 
 
 def _rope_peer(peer, causal, scale):
@@ -369,23 +381,29 @@ def _rope_peer(peer, causal, scale):
                                                       scale=scale, implementation="xla")
 
 
+def _save_rope_entry(path, key, gen, peer, record):
+  """Stores one record, re-reading the file first (another run may have stored others meanwhile)."""
+  table = result_tables.load(path) or _header()
+  rt = table.setdefault("rope", {"results": {}})
+  rt.update({k: v for k, v in ROPE_HEADER.items() if k not in rt})
+  rt["results"].setdefault(key, {"shape": ROPE_SHAPES[key]}).setdefault(gen, {})[peer] = record
+  result_tables.save(table, path)
+
+
 def run_rope(args):
   """Estimates of the three RoPE programs on ROPE_CASES, stored under ``"rope"`` in the table."""
   table = result_tables.load(args.out) or _header()
-  rt = table.setdefault("rope", {
-      "description": "RoPE + causal attention, [batch, seq, heads, head_dim] bf16 in [B, S, H, D]: "
-                     "ours_rope_fused = flash_attention(q, k, v, rope=RotaryEmbedding()) (q and k rotated in "
-                     "VMEM); ours_rope_unfused = kernels.rope on q and k, then flash_attention; xla_rope = "
-                     "kernels.rope_reference then jax.nn.dot_product_attention(implementation='xla'). "
-                     "us: compiler estimate (floored); hbm_bytes: the compiler's counted HBM traffic of the "
-                     "whole program (forward, or jax.vjp forward+backward).",
-      "results": {}})
+  rt = table.setdefault("rope", dict(ROPE_HEADER, results={}))
+  peers = [p for p in ROPE_PEERS if p in args.peers] or ROPE_PEERS
   for c in ROPE_CASES:
     key = case_key(c)
+    if args.only and key not in args.only.split(","):
+      continue
     for gen in args.generations:
-      for peer in ROPE_PEERS:
+      for peer in peers:
         res = rt["results"].setdefault(key, {"shape": c}).setdefault(gen, {})
-        if peer in res and not args.force:
+        timed_out = res.get(peer, {}).get("error", "").startswith("not estimated: the estimate took")
+        if peer in res and not args.force and not (timed_out and ESTIMATE_TIMEOUT > args.timeout):
           continue
         if args.deadline and time.time() > args.deadline:
           print("deadline reached: stopping", flush=True)
@@ -397,7 +415,7 @@ def run_rope(args):
           res[peer] = estimate_isolated(peer, c, gen, None)
           res[peer]["wall_seconds"] = round(time.time() - t0, 1)
           res[peer]["date"] = datetime.date.today().isoformat()
-        result_tables.save(table, args.out)
+        _save_rope_entry(args.out, key, gen, peer, res[peer])
         r = res[peer]
         print(gen, key, peer, f"{r['us']:.1f} us, {r['hbm_bytes'] / 2**20:.1f} MiB" if "us" in r else r["error"],
               flush=True)
