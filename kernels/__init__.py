@@ -12,7 +12,7 @@ from kernels.matmul import BlockSizes, matmul, matmul_reference, quantized_matmu
 from kernels.attention import BlockSizes as AttentionBlockSizes, attention_reference, flash_attention
 from kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.scan import BlockSizes as ScanBlockSizes, linear_scan, linear_scan_reference
-from kernels.rope import BlockSizes as RopeBlockSizes, RopeScaling, rope, rope_reference, rope_table
+from kernels.rope import BlockSizes as RopeBlockSizes, RopeScaling, RotaryEmbedding, rope, rope_reference, rope_table
 from kernels.ssd import (BlockSizes as SsdBlockSizes, gated_linear_attention, gated_linear_attention_reference,
                          ssd, ssd_chunked_xla, ssd_reference)
 from kernels.parallel_scan import parallel_scan, parallel_scan_reference  # (the names shadow the module: see it)
@@ -31,7 +31,7 @@ __all__ = [
     "AttentionBlockSizes", "attention_reference", "flash_attention",
     "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
     "ScanBlockSizes", "linear_scan", "linear_scan_reference",
-    "RopeBlockSizes", "RopeScaling", "rope", "rope_reference", "rope_table",
+    "RopeBlockSizes", "RopeScaling", "RotaryEmbedding", "rope", "rope_reference", "rope_table",
     "SsdBlockSizes", "gated_linear_attention", "gated_linear_attention_reference", "ssd", "ssd_chunked_xla",
     "ssd_reference",
     "parallel_scan", "parallel_scan_reference",

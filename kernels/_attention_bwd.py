@@ -24,8 +24,9 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels._attention_plan import (NEG_INF, _NN, _NT, _TN, _all, _block_needed, _branches, _clamp,
                                      _compiler_params, _dense_block, _full_block, _keep_tile, _kv_major_grid,
                                      _kv_major_ids, _masked_tiles, _Plan, _Problem, _q_major_grid, _q_major_ids,
-                                     _q_major_inputs, _q_range, _Refs, _scaled_q_rows, _seq_shape, _seq_spec,
-                                     _small_inputs, _visibility_tile, _zero_rows)
+                                     _q_major_inputs, _q_range, _Refs, _add_rope_inputs, _rope_block, _rope_rotate,
+                                     _rope_rows, _scaled_q_rows, _seq_shape, _seq_spec, _small_inputs,
+                                     _visibility_tile, _zero_rows)
 
 
 def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
@@ -40,11 +41,13 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     # transpose once per q block, not per step
     for row, col in ((r.lse, r.lse_col), (r.delta, r.delta_col)):
       col[...] = jnp.broadcast_to(row[...], (128, bq)).T[:, :1]
+    if p.rope is not None:  # the rotated, scaled q block, once per q block
+      r.qs[...] = _rope_block(p, r, r.q, "q", p.scale)
 
   def tile(rows, cols, masked: bool):
     """dq of q rows ``rows`` from keys ``cols`` of the kv block (static slices)."""
-    q = _scaled_q_rows(r.q, rows, p.scale)
-    k, v, do = r.k[cols, :], r.v[cols, :], r.do[rows, :]
+    q = _scaled_q_rows(r.q, rows, p.scale) if p.rope is None else r.qs[rows, :]
+    k, v, do = (r.k if p.rope is None else r.ks)[cols, :], r.v[cols, :], r.do[rows, :]
     nr, nc = q.shape[0], k.shape[0]
     k0 = j * bkv + cols.start
     if masked and p.skv % bkv:
@@ -74,6 +77,8 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.acc[rows, :] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
 
   def step(masked: bool):
+    if p.rope is not None:
+      r.ks[...] = _rope_block(p, r, r.k, "k")
     if masked and plan.bq_masked:
       _masked_tiles(p, plan, i, j, plan.bq_masked, plan.bkv_masked, tile)
     else:
@@ -93,7 +98,10 @@ def _dq_kernel(*refs, p: _Problem, plan: _Plan, names):
 
   @pl.when(last)
   def _finish():
-    r.dq[...] = (r.acc[...] * p.scale).astype(r.dq.dtype)
+    dq = r.acc[...] * p.scale
+    if p.rope is not None:  # the gradient of the rotated q, rotated back (the rotation is orthogonal)
+      dq = _rope_rotate(p, dq, _rope_rows(r, "q"), inverse=True)
+    r.dq[...] = dq.astype(r.dq.dtype)
 
 
 def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
@@ -106,6 +114,8 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
   def _init():
     r.dk_acc[...] = jnp.zeros(r.dk_acc.shape, jnp.float32)
     r.dv_acc[...] = jnp.zeros(r.dv_acc.shape, jnp.float32)
+    if p.rope is not None:  # the k block stays for the whole accumulation: rotate it once
+      r.ks[...] = _rope_block(p, r, r.k, "k")
 
   if plan.fused_dq:  # dq of the whole group accumulates over every step of one (batch, kv head)
     inner = [pl.program_id(a) for a in (2, 3, 4)]
@@ -119,8 +129,8 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
 
   def tile(kv_rows, q_cols, masked: bool):
     """dk, dv of keys ``kv_rows`` of the kv block from q rows ``q_cols`` (static slices)."""
-    q = _scaled_q_rows(r.q, q_cols, p.scale)
-    k, v, do = r.k[kv_rows, :], r.v[kv_rows, :], r.do[q_cols, :]
+    q = _scaled_q_rows(r.q, q_cols, p.scale) if p.rope is None else r.qs[q_cols, :]
+    k, v, do = (r.k if p.rope is None else r.ks)[kv_rows, :], r.v[kv_rows, :], r.do[q_cols, :]
     nk, nq_ = k.shape[0], q.shape[0]
     r0 = i * bq + q_cols.start
     if masked and p.sq % bq:
@@ -159,9 +169,14 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
     if plan.fused_dq:  # dq rows of this tile += ds k (ds^T is what we hold: contract its key axis)
       row0 = i * bq + q_cols.start
       rows = pl.ds(pl.multiple_of(row0, 8) if bq % 8 == 0 else row0, nq_)
-      r.dq_acc[g, rows, :] += lax.dot_general(dst.astype(k.dtype), k, _TN, preferred_element_type=jnp.float32)
+      dq = lax.dot_general(dst.astype(k.dtype), k, _TN, preferred_element_type=jnp.float32)
+      if p.rope is not None:  # rotated back per tile: the accumulator spans every q block
+        dq = _rope_rotate(p, dq, _rope_rows(r, "q", q_cols), inverse=True)
+      r.dq_acc[g, rows, :] += dq
 
   def step(masked: bool):
+    if p.rope is not None:  # the q block changes every step
+      r.qs[...] = _rope_block(p, r, r.q, "q", p.scale)
     if masked and plan.bq_masked:
       _masked_tiles(p, plan, i, j, plan.bkv_masked, plan.bq_masked, tile, transposed=True)
     else:
@@ -175,7 +190,10 @@ def _dkv_kernel(*refs, p: _Problem, plan: _Plan, names):
 
   @pl.when(last)
   def _finish():
-    r.dk[...] = r.dk_acc[...].astype(r.dk.dtype)
+    if p.rope is not None:
+      r.dk[...] = _rope_rotate(p, r.dk_acc[...], _rope_rows(r, "k"), inverse=True).astype(r.dk.dtype)
+    else:
+      r.dk[...] = r.dk_acc[...].astype(r.dk.dtype)
     r.dv[...] = r.dv_acc[...].astype(r.dv.dtype)
 
   if plan.fused_dq:
@@ -223,6 +241,10 @@ def _dq_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *,
     out_shape.append(jax.ShapeDtypeStruct((p.b, p.h, p.sq, p.skv), jnp.float32))
     names.append("dbias")
   names += ["acc", "lse_col", "delta_col"]
+  scratch = [pltpu.VMEM((bq, p.d), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)]
+  if p.rope is not None:
+    names += ["qs", "ks"]
+    scratch += [pltpu.VMEM((bq, p.d), p.dtype), pltpu.VMEM((bkv, p.d), p.dtype)]
   cost = pl.CostEstimate(flops=int(6 * p.b * p.h * p.sq * p.skv * p.d * frac),
                          transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
                          bytes_accessed=int(isz * (3 * q.size + k.size + v.size)))
@@ -230,9 +252,7 @@ def _dq_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *,
       functools.partial(_dq_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=_q_major_grid(p, plan),
                                              in_specs=in_specs, out_specs=out_specs,
-                                             scratch_shapes=[pltpu.VMEM((bq, p.d), jnp.float32),
-                                                             pltpu.VMEM((bq, 1), jnp.float32),
-                                                             pltpu.VMEM((bq, 1), jnp.float32)]),
+                                             scratch_shapes=scratch),
       out_shape=out_shape, compiler_params=_compiler_params(plan), cost_estimate=cost, interpret=interpret,
       name="flash_attention_dq")
   outs = call(*args)
@@ -282,6 +302,8 @@ def _dkv_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *
     in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, qids, transposed=True))
     args.append(jnp.swapaxes(bias, 2, 3))
     names.append("bias")
+  if p.rope is not None:
+    _add_rope_inputs(p, plan, lambda *g: qids(*g)[2], lambda *g: kvids(*g)[2], args, names, in_specs)
   kv_spec = _seq_spec(plan, bkv, p.d, kvids)
   kv_shape = jax.ShapeDtypeStruct(_seq_shape(p, plan, p.kvh, p.skv), p.dtype)
   out_specs, out_shape = [kv_spec, kv_spec], [kv_shape, kv_shape]
@@ -298,6 +320,9 @@ def _dkv_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *
   if plan.fused_dq:
     scratch.append(pltpu.VMEM((G, nq * bq, p.d), jnp.float32))
     names.append("dq_acc")
+  if p.rope is not None:
+    names += ["qs", "ks"]
+    scratch += [pltpu.VMEM((bq, p.d), p.dtype), pltpu.VMEM((bkv, p.d), p.dtype)]
   cost = pl.CostEstimate(flops=int((10 if plan.fused_dq else 8) * p.b * p.h * p.sq * p.skv * p.d * frac),
                          transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
                          bytes_accessed=int(isz * (2 * q.size + 2 * k.size + 2 * v.size)))

@@ -19,8 +19,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels._attention_plan import (NEG_INF, _NN, _NT, _block_needed, _branches, _compiler_params, _full_block,
                                      _keep_tile, _masked_tiles, _Plan, _Problem, _q_major_grid, _q_major_ids,
-                                     _q_major_inputs, _Refs, _scaled_q_rows, _seq_shape, _seq_spec, _soft_cap,
-                                     _visibility_tile, _zero_rows)
+                                     _q_major_inputs, _Refs, _rope_block, _scaled_q_rows, _seq_shape, _seq_spec,
+                                     _soft_cap, _visibility_tile, _zero_rows)
 
 
 _LANES = 128  # m is kept lane-replicated and l as lane partial sums, (bq, 128): no cross-lane op per step
@@ -64,12 +64,15 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
       r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
       r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
     r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
-    r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
+    if p.rope is not None:  # rotate (and scale) the q block once, not once per kv step
+      r.qs[...] = _rope_block(p, r, r.q, "q", p.scale)
+    else:
+      r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
 
   def tile(rows, cols, masked: bool):
     """The online-softmax update of q rows ``rows`` by keys ``cols`` of the kv block (static slices)."""
     q = r.qs[rows, :]
-    k, v = r.k[cols, :], r.v[cols, :]
+    k, v = (r.k if p.rope is None else r.ks)[cols, :], r.v[cols, :]
     nr, bkc = q.shape[0], k.shape[0]
     k0 = j * bkv + cols.start  # first key of the tile
     if masked and p.skv % bkv:
@@ -104,6 +107,8 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     r.m[rows, :] = m_new
 
   def step(masked: bool):
+    if p.rope is not None:  # the rotated k block, read by every tile of this step
+      r.ks[...] = _rope_block(p, r, r.k, "k")
     # kv sub-blocks: smaller f32 temporaries, same DMA block
     bkc = plan.bkv_compute
     if not masked or (plan.bq_masked, plan.bkv_masked) == (bq, bkc):
@@ -156,6 +161,9 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
   scratch = [pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
              pltpu.VMEM((bq, p.d), jnp.float32),
              pltpu.VMEM((bq, p.d), p.dtype)]
+  if p.rope is not None:
+    names.append("ks")
+    scratch.append(pltpu.VMEM((plan.bkv, p.d), p.dtype))
   grid = _q_major_grid(p, plan)
   frac = 0.5 if p.causal else 1.0
   isz = p.dtype.itemsize

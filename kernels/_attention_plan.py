@@ -35,6 +35,7 @@ from kernels.backend import target_chip
 from kernels.errors import TilingError, check
 from kernels.hardware import get_chip
 from kernels.matmul import dropout_keep_mask
+from kernels.rope import compose_rows, rotate_tile
 
 _NT = (((1,), (1,)), ((), ()))   # a @ b.T
 _NN = (((1,), (0,)), ((), ()))   # a @ b
@@ -66,6 +67,7 @@ class _Problem:
   bias_shape: tuple[int, int] | None
   sinks: bool
   dropout_rate: float
+  rope: Any = None   # a resolved kernels.rope.RotaryEmbedding: q and k rotate inside the kernels
 
   @property
   def group(self) -> int:
@@ -211,11 +213,12 @@ def _make_plan(p: _Problem, blocks, backward: bool) -> _Plan:
     fused_dq = p.bias_shape is None and dq_bytes <= vmem * FUSED_DQ_VMEM
     # (the backward's tile math keeps ~8 (bkv, bq) f32 temporaries live: s, p, dp, ds and their
     # casts; with 2048 blocks Mosaic asked for 135 MiB on v5e and v6e, which have 128)
-    limit = _vmem(p, max(bq, bkv), max(bq, bkv), 2, 2, 2, blocks, extra=dq_bytes if fused_dq else 0, temps=8)
+    limit = _vmem(p, max(bq, bkv), max(bq, bkv), 2, 2, 2, blocks,
+                  extra=(dq_bytes if fused_dq else 0) + _rope_vmem(p, bq, bkv), temps=8)
   else:
     bq = _fit(blocks.block_q, p.sq, tiling.sublane_multiple(p.dtype), "block_q", blocks)
     bkv = _fit(blocks.block_kv, p.skv, 128, "block_kv", blocks)
-    limit = _vmem(p, bq, bkv, 2, 2, 1, blocks, temp_cols=_kv_compute(bkv))
+    limit = _vmem(p, bq, bkv, 2, 2, 1, blocks, temp_cols=_kv_compute(bkv), extra=_rope_vmem(p, bq, bkv))
   exp_bf16 = (_EXP_BF16 and not backward and chip is not None and chip.name == "v6e" and p.dtype == jnp.bfloat16
               and not p.dropout_rate)
   bkc = bkv if backward else _kv_compute(bkv)
@@ -677,4 +680,66 @@ def _q_major_inputs(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
     in_specs.append(_dense_block(p, p.bias_shape, bq, bkv, ids))
     args.append(bias)
     names.append("bias")
+  if p.rope is not None:
+    _add_rope_inputs(p, plan, lambda *g: ids(*g)[2], lambda *g: ids(*g)[3], args, names, in_specs)
   return args, names, in_specs
+
+
+# ---------------------------------------------------------------------------------
+# Rotary embedding inside the kernels (``p.rope``)
+# ---------------------------------------------------------------------------------
+# A block's cos / sin rows are composed in VMEM from two small tables by the angle addition
+# formulas: the rows of positions 0 .. block - 1 (the same for every block: a constant block
+# index, so fetched once per kernel) and one row per block, its first position's. Fetching a
+# block's [block, D] f32 rows instead would move 8 bytes per feature at every grid step that
+# changes the block, four times the bf16 k or q block itself.
+
+
+def _rope_tables(p: _Problem, block: int, n: int, first: int):
+  """(offset ``[2, block, D]``, base ``[n, 2, D]``) f32: cos and signed sin of positions
+  ``0 .. block - 1`` and of the block starts ``first + i * block`` (from the cached float64-built table)."""
+  cos, sin = p.rope.table(max(block, first + (n - 1) * block + 1), p.d)
+  starts = first + np.arange(n) * block
+  return np.stack([cos[:block], sin[:block]]), np.stack([cos[starts], sin[starts]], axis=1)
+
+
+def _add_rope_inputs(p: _Problem, plan: _Plan, q_block, kv_block, args, names, specs):
+  """Appends the q-side and kv-side rotary tables; ``q_block(*g)`` / ``kv_block(*g)``: a step's blocks.
+  Queries sit at positions ``kv_len - q_len + row`` (the last query aligned with the last key), keys at their row."""
+  sq = pl.squeezed
+  for side, block, n, first, index in (("q", plan.bq, plan.nq, p.offset, q_block),
+                                       ("k", plan.bkv, plan.nkv, 0, kv_block)):
+    offset, base = _rope_tables(p, block, n, first)
+    args += [offset, base]
+    names += [f"r{side}_off", f"r{side}_base"]
+    specs += [pl.BlockSpec((2, block, p.d), lambda *g: (0, 0, 0)), pl.BlockSpec((sq, 2, p.d), _row_map(index))]
+
+
+def _row_map(index):
+  return lambda *g: (index(*g), 0, 0)
+
+
+def _rope_vmem(p: _Problem, bq: int, bkv: int) -> int:
+  """VMEM of the rotary embedding: the double-buffered tables, the rotated q / k scratch, f32 temporaries."""
+  if p.rope is None:
+    return 0
+  tables = 2 * (2 * (bq + bkv) * p.d * 4 + 2 * 8 * p.d * 4)
+  return tables + (bq + bkv) * p.d * p.dtype.itemsize + 6 * max(bq, bkv) * p.d * 4
+
+
+def _rope_rows(r, side: str, rows=slice(None)):
+  """A block's (cos, signed sin), f32 ``[rows, D]``, composed from its base row and the offset rows."""
+  base, offset = getattr(r, f"r{side}_base"), getattr(r, f"r{side}_off")
+  return compose_rows(base[...], offset[:, rows, :])
+
+
+def _rope_rotate(p: _Problem, x, cs, inverse: bool = False):
+  """``x`` rotated (f32) by the rows ``cs`` = (cos, signed sin); ``inverse``: by the opposite angles."""
+  return rotate_tile(x.astype(jnp.float32), cs[0], cs[1], rotary_dim=p.rope.rotary_dim,
+                     interleaved=p.rope.interleaved, inverse=inverse)
+
+
+def _rope_block(p: _Problem, r, x_ref, side: str, scale: float = 1.0):
+  """A whole q / k block rotated (and scaled) in the input dtype: what the matmuls read."""
+  y = _rope_rotate(p, x_ref[...], _rope_rows(r, side))
+  return (y * scale if scale != 1.0 else y).astype(x_ref.dtype)

@@ -90,6 +90,19 @@ gradient, ``-sum_i exp(sink - lse_i) * D_i``, is computed in XLA.
 the counter-based hash of :mod:`kernels.matmul`, with ``row = (b * heads + h) *
 q_len + i``. The denominator ``l`` sums the probabilities before dropout.
 
+*RoPE* (``rope=RotaryEmbedding(...)``): q and k are rotated inside the kernels rather than
+by an HBM pass of :func:`kernels.rope` over each. The forward rotates (and scales) a q block
+once, at its first kv step, into the VMEM scratch the steps read, and a k block at every step
+(each q block reads it again). A block's cos / sin rows are composed in VMEM by the angle
+addition formulas from the rows of positions ``0 .. block - 1`` (a constant block index:
+fetched once) and one row per block, its first position's: fetching a block's f32 rows at every
+step would move four times the bytes of the bf16 k block. The backward kernels rotate the q / k
+tiles they load and rotate dq and dk back by the opposite angle before writing them (the fused
+dq: each tile's contribution, before it is added); the rotation is
+:func:`kernels.rope.rotate_tile`, the RoPE kernel's own. Keys sit at positions ``0 ..
+kv_len - 1``, queries at ``kv_len - q_len + i``; the XLA path is :func:`kernels.rope_reference`
+of q and k, then the reference.
+
 *Backward* (``custom_vjp``). The forward saves ``lse``; ``D = rowsum(dO * O)`` is one
 XLA reduction. Two kernels (one when dq is fused, see below):
 
@@ -172,6 +185,7 @@ from kernels._attention_plan import (NEG_INF, _dropout_rows, _in_layout, _make_p
 from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, VmemOverflowError, check
 from kernels.matmul import dropout_keep_mask, dropout_seed
+from kernels.rope import RotaryEmbedding, _rotate_xla
 
 __all__ = ["BlockSizes", "attention_reference", "default_block_sizes", "flash_attention"]
 
@@ -317,6 +331,38 @@ def _validate(q, k, v, *, causal, segment_ids, sliding_window, logits_soft_cap, 
   return p, seg_q, seg_kv
 
 
+def _with_rope(p: _Problem, rope) -> _Problem:
+  """``p`` carrying the resolved rotary embedding (validated against the shapes), or ``p`` when None."""
+  if rope is None:
+    return p
+  check(isinstance(rope, RotaryEmbedding), "rope", rope, "must be a kernels.RotaryEmbedding or None")
+  r = rope.resolved(p.d)
+  check(p.sq <= p.skv, "rope", rope, f"needs q_len <= kv_len: queries sit at positions kv_len - q_len + i, "
+        f"keys at j (q_len {p.sq} > kv_len {p.skv} would give negative positions)")
+  if r.max_position is not None:
+    check(p.skv <= r.max_position, "rope", rope,
+          f"max_position {r.max_position} must be at least kv_len {p.skv} (the last key's position + 1)")
+  return dataclasses.replace(p, rope=r)
+
+
+def _rope_xla(x, p: _Problem, first: int):
+  """RoPE of q (``first = kv_len - q_len``) or k (``first = 0``) in XLA: positions ``first + row``."""
+  x = x if p.layout == "BSHD" else jnp.swapaxes(x, 1, 2)
+  cos, sin = p.rope.table(first + x.shape[1], p.d)
+  y = _rotate_xla(x, jnp.asarray(cos[first:]), jnp.asarray(sin[first:]), rotary_dim=p.rope.rotary_dim,
+                  interleaved=p.rope.interleaved)
+  return y if p.layout == "BSHD" else jnp.swapaxes(y, 1, 2)
+
+
+def _rope_reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, return_residuals):
+  """The XLA path: RoPE of q and k (when ``p.rope``), then :func:`_reference`, in the caller's layout."""
+  if p.rope is not None:
+    q, k = _rope_xla(q, p, p.offset), _rope_xla(k, p, 0)
+  out, lse = _reference(_to_bhsd(q, p.layout), _to_bhsd(k, p.layout), _to_bhsd(v, p.layout), sinks, bias, seg_q,
+                        seg_kv, mask, seed, p=p)
+  return _finish(out, lse, p, return_residuals)
+
+
 # ---------------------------------------------------------------------------------
 # Reference (pure JAX)
 # ---------------------------------------------------------------------------------
@@ -371,15 +417,15 @@ def _finish(out, lse, p: _Problem, return_residuals):
 
 def attention_reference(q, k, v, *, causal=False, segment_ids=None, sliding_window=None, logits_soft_cap=None,
                         scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
-                        layout="BSHD", return_residuals=False):
-  """Pure-JAX :func:`flash_attention`: the whole ``[q_len, kv_len]`` logit matrix in f32, same masks and dropout."""
+                        layout="BSHD", return_residuals=False, rope=None):
+  """Pure-JAX :func:`flash_attention`: the whole ``[q_len, kv_len]`` logit matrix in f32, same masks and dropout
+  (and with ``rope``, :func:`kernels.rope_reference` of q and k first)."""
   p, seg_q, seg_kv = _validate(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
                                logits_soft_cap=logits_soft_cap, scale=scale, bias=bias, mask=mask, sinks=sinks,
                                dropout_rate=dropout_rate, dropout_key=dropout_key, layout=layout)
+  p = _with_rope(p, rope)
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
-  out, lse = _reference(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), sinks, bias, seg_q, seg_kv,
-                        mask, seed, p=p)
-  return _finish(out, lse, p, return_residuals)
+  return _rope_reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, return_residuals=return_residuals)
 
 
 # ---------------------------------------------------------------------------------
@@ -475,7 +521,8 @@ def _check_blocks(block_sizes):
 
 def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=None, logits_soft_cap=None,
                     scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
-                    layout="BSHD", return_residuals=False, block_sizes=None, implementation=None, interpret=None):
+                    layout="BSHD", return_residuals=False, rope=None, block_sizes=None, implementation=None,
+                    interpret=None):
   """Multi-head attention ``softmax(mask(cap(scale * q k^T) + bias)) v`` without the score matrix in HBM.
 
   Args:
@@ -498,6 +545,11 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=N
     layout: ``"BSHD"`` or ``"BHSD"`` (for q, k, v and the output).
     return_residuals: also return ``lse`` ``[batch, heads, q_len]`` f32, the log of each row's softmax
       denominator (``-inf`` for a row with no visible key and no sink).
+    rope: a :class:`kernels.RotaryEmbedding`: q and k are rotated inside the kernels (forward and
+      backward; the gradients are with respect to the unrotated q and k), keys at positions
+      ``0 .. kv_len - 1`` and queries at ``kv_len - q_len + i`` (the last query aligned with the last
+      key, as ``causal``), so ``q_len <= kv_len``. Per-token positions are not supported (use
+      :func:`kernels.rope` on q and k, then this without ``rope``).
     block_sizes: a :class:`BlockSizes`; None uses the per-generation defaults.
     implementation, interpret: see :func:`kernels.dispatch`.
 
@@ -512,13 +564,12 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=N
                                logits_soft_cap=logits_soft_cap, scale=scale, bias=bias, mask=mask, sinks=sinks,
                                dropout_rate=dropout_rate, dropout_key=dropout_key, layout=layout)
   check(isinstance(return_residuals, bool), "return_residuals", return_residuals, "must be a bool")
+  p = _with_rope(p, rope)
   blocks = _check_blocks(block_sizes)
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
 
   def xla(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):
-    out, lse = _reference(_to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), sinks, bias, seg_q, seg_kv,
-                          mask, seed, p=p)
-    return _finish(out, lse, p, return_residuals)
+    return _rope_reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, return_residuals=return_residuals)
 
   def pallas(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, interpret):
     return _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, p=p, blocks=blocks, interpret=interpret,

@@ -56,6 +56,11 @@ XLA path (``implementation="pallas"`` still runs the kernel).
 
 *Backward.* A rotation is orthogonal: the gradient is the rotation by the opposite
 angle, the same kernel with the sign of ``sin`` flipped (``custom_vjp``).
+
+*Fused into attention.* :class:`RotaryEmbedding` holds these options for
+``kernels.flash_attention(..., rope=...)``, which rotates q and k tiles in VMEM with
+:func:`rotate_tile` (this kernel's rotation) and builds each block's rows with
+:func:`compose_rows`, saving this kernel's HBM pass over q and k.
 """
 from __future__ import annotations
 
@@ -196,6 +201,47 @@ def _check_options(head_dim, rotary_dim, theta, scaling):
 
 
 @dataclasses.dataclass(frozen=True)
+class RotaryEmbedding:
+  """A rotary embedding configuration, to fuse into :func:`kernels.flash_attention` (``rope=``).
+
+  The fields are :func:`rope`'s options: ``theta``, ``rotary_dim`` (None: all of ``head_dim``),
+  ``interleaved``, ``scaling`` and ``max_position`` (None: no bound; else positions must stay
+  below it). Calling it, ``RotaryEmbedding(...)(x)``, runs the standalone :func:`rope` kernel
+  with these options (positions ``0 .. seq - 1`` unless given).
+  """
+
+  theta: float = 10000.0
+  rotary_dim: int | None = None
+  interleaved: bool = False
+  scaling: RopeScaling | float | None = None
+  max_position: int | None = None
+
+  def resolved(self, head_dim: int) -> "RotaryEmbedding":
+    """Validated for ``head_dim`` (KernelError naming the field otherwise): ``rotary_dim`` an int,
+    ``scaling`` a :class:`RopeScaling` or None."""
+    check(isinstance(self.interleaved, bool), "interleaved", self.interleaved, "must be a bool")
+    rotary_dim, scaling = _check_options(head_dim, self.rotary_dim, self.theta, self.scaling)
+    if self.max_position is not None:
+      check(isinstance(self.max_position, (int, np.integer)) and self.max_position >= 1, "max_position",
+            self.max_position, "must be a positive int or None")
+    return dataclasses.replace(self, theta=float(self.theta), rotary_dim=rotary_dim, scaling=scaling)
+
+  def table(self, size: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cached float32 ``(cos, signed sin)`` tables of positions ``0 .. size - 1`` (:func:`rope_table`)."""
+    r = self.resolved(head_dim)
+    return rope_table(size, head_dim, rotary_dim=r.rotary_dim, theta=r.theta, interleaved=r.interleaved,
+                      scaling=r.scaling)
+
+  def __call__(self, x, positions=None, **kwargs):
+    return rope(x, positions, theta=self.theta, rotary_dim=self.rotary_dim, interleaved=self.interleaved,
+                scaling=self.scaling, max_position=self.max_position, **kwargs)
+
+  def reference(self, x, positions=None):
+    return rope_reference(x, positions, theta=self.theta, rotary_dim=self.rotary_dim,
+                          interleaved=self.interleaved, scaling=self.scaling, max_position=self.max_position)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Problem:
   batch: int
   seq: int
@@ -266,18 +312,40 @@ def rope_reference(x, positions=None, *, theta=10000.0, rotary_dim=None, interle
                      interleaved=interleaved)
 
 
+def rotate_tile(x, cos, sin, *, rotary_dim: int, interleaved: bool, inverse: bool = False):
+  """The in-kernel rotation of an f32 tile whose last axis (lanes) is ``head_dim``:
+  ``x * cos + partner(x) * sin`` (``inverse``: ``- partner(x) * sin``, the opposite angle).
+
+  ``cos`` and the signed ``sin`` broadcast against ``x`` (the :func:`rope_table` layout). The
+  partner is two lane rotations and a select. Shared by the RoPE kernel and the rotary
+  embedding fused into :func:`kernels.flash_attention`."""
+  ax = x.ndim - 1
+  d = x.shape[ax]
+  lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, ax)
+  shift = 1 if interleaved else rotary_dim // 2
+  ahead = pltpu.roll(x, d - shift, ax)  # x[j + shift]
+  behind = pltpu.roll(x, shift, ax)  # x[j - shift]
+  first = (lane % 2 == 0) if interleaved else (lane < shift)
+  partner = jnp.where(first, ahead, behind)
+  return x * cos - partner * sin if inverse else x * cos + partner * sin
+
+
+def compose_rows(base, offset):
+  """cos and signed sin of the angles ``a + b`` from those of ``a`` (``base``, ``[2, head_dim]``:
+  row 0 cos, row 1 signed sin) and of ``b`` (``offset``, ``[2, rows, head_dim]``), by the angle
+  addition formulas (the sign of the signed sin squares away): ``cos = Ca Cb - Sa Sb``,
+  ``sin = Sa Cb + Ca Sb``. In f32 this adds a few ulp to the float64-built table's rounding.
+  Pass-through features (cos 1, sin 0) stay so."""
+  ca, sa = base[0:1, :], base[1:2, :]
+  cb, sb = offset[0], offset[1]
+  return ca * cb - sa * sb, sa * cb + ca * sb
+
+
 def _kernel(x_ref, cos_ref, sin_ref, o_ref, *, p: _Problem, interleaved: bool, inverse: bool):
   x = x_ref[0].astype(jnp.float32)  # [block_seq, heads, head_dim]
   cos = cos_ref[...].reshape(-1, 1, p.head_dim)
   sin = sin_ref[...].reshape(-1, 1, p.head_dim)
-  d = p.head_dim
-  lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, 2)
-  shift = 1 if interleaved else p.rotary_dim // 2
-  ahead = pltpu.roll(x, d - shift, 2)  # x[j + shift]
-  behind = pltpu.roll(x, shift, 2)  # x[j - shift]
-  first = (lane % 2 == 0) if interleaved else (lane < shift)
-  partner = jnp.where(first, ahead, behind)
-  y = x * cos - partner * sin if inverse else x * cos + partner * sin
+  y = rotate_tile(x, cos, sin, rotary_dim=p.rotary_dim, interleaved=interleaved, inverse=inverse)
   o_ref[0] = y.astype(o_ref.dtype)
 
 

@@ -14,6 +14,7 @@ before ``p @ v`` and round the output once, but the kernel folds the scale into 
 (one extra bf16 rounding of q), so 2e-2 absolute. Gradients: f32, 1e-4 relative
 to the largest entry.
 """
+import dataclasses
 import functools
 import importlib
 
@@ -649,3 +650,110 @@ def test_aot_folded_tiled_and_banded_grids(generation, monkeypatch):
       grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
       comp = compile_plain(grad, (q, kv, kv), generation)
       assert comp.hlo.count("tpu_custom_call") == (2 if fused and generation != "v4" else 3)
+
+
+# --- RoPE inside the kernel ---------------------------------------------------------------
+# flash_attention(..., rope=RotaryEmbedding(...)) against the brief's oracle: the reference on
+# kernels.rope_reference(q) and kernels.rope_reference(k) (queries at positions kv_len - q_len + i),
+# forward and jax.vjp gradients with respect to the unrotated q, k, v. Tolerances: f32 as above
+# (2e-5 output, 1e-4 of the largest gradient entry); bf16 2e-2 output and 2e-2 of the largest
+# gradient entry (the reference rounds the rotated q and k to bf16, then scales in f32; the
+# kernel rotates and scales in f32 and rounds once).
+
+ROPE_GRAD_TOL = {"float32": GRAD_RTOL, "bfloat16": 2e-2}
+
+
+def rope_oracle(rope, q, k, v, layout="BSHD", **kw):
+  """attention_reference(rope_reference(q), rope_reference(k), v), built from the public pieces."""
+  def rot(x, first):
+    x = x if layout == "BSHD" else jnp.swapaxes(x, 1, 2)
+    pos = jnp.broadcast_to(first + jnp.arange(x.shape[1]), x.shape[:2])
+    y = dataclasses.replace(rope, max_position=skv).reference(x, pos)  # (the table must reach kv_len)
+    return y if layout == "BSHD" else jnp.swapaxes(y, 1, 2)
+  sq, skv = (q.shape[1], k.shape[1]) if layout == "BSHD" else (q.shape[2], k.shape[2])
+  return att.attention_reference(rot(q, skv - sq), rot(k, 0), v, layout=layout, **kw)
+
+
+def rope_close(rope, q, k, v, blocks=SMALL, **kw):
+  dtype = jnp.dtype(q.dtype).name
+  out, vjp = jax.vjp(lambda *a: run(*a, rope=rope, block_sizes=blocks, **kw), q, k, v)
+  ref, ref_vjp = jax.vjp(lambda *a: rope_oracle(rope, *a, **kw), q, k, v)
+  close(out, ref, q.dtype)
+  ct = rand(out.shape, seed=9).astype(out.dtype)
+  for a, b in zip(vjp(ct), ref_vjp(ct)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, atol=ROPE_GRAD_TOL[dtype] * max(1.0, np.abs(b).max()), rtol=0)
+  return out
+
+
+@pytest.mark.parametrize("rope_kw,shape,kw", [
+    (dict(), dict(sq=256, h=2, kvh=1, d=128), dict(causal=True)),
+    (dict(interleaved=True), dict(sq=200, h=4, kvh=2, d=64), dict()),
+    (dict(rotary_dim=32), dict(sq=256, h=2, kvh=2, d=64, layout="BHSD"), dict(causal=True)),
+    (dict(rotary_dim=64, interleaved=True, scaling=kernels.RopeScaling("llama3", 8.0, original_max_position=64)),
+     dict(sq=128, skv=300, h=2, kvh=1, d=128), dict(causal=True, sliding_window=100)),
+    (dict(theta=500000.0), dict(sq=256, h=2, kvh=1, d=128, dtype=jnp.bfloat16), dict(causal=True)),
+], ids=["half-causal-gqa", "interleaved-full-tail", "partial-bhsd", "partial-interleaved-llama3-decode-window",
+        "bf16"])
+def test_rope_in_kernel_matches_rope_then_reference(rope_kw, shape, kw):
+  rope = kernels.RotaryEmbedding(**rope_kw)
+  q, k, v = qkv(**shape)
+  out = rope_close(rope, q, k, v, layout=shape.get("layout", "BSHD"), **kw)
+  # the rotation is not a no-op here
+  assert np.abs(np.asarray(out, np.float32) - np.asarray(run(q, k, v, layout=shape.get("layout", "BSHD"), **kw),
+                                                           np.float32)).max() > 0.05
+
+
+def test_rope_with_separate_dq_kernel_and_default_blocks(monkeypatch):
+  rope = kernels.RotaryEmbedding(rotary_dim=96)
+  q, k, v = qkv(sq=300, h=2, kvh=1, d=128)
+  rope_close(rope, q, k, v, blocks=None, causal=True)  # one block (the sequence rounded up)
+  monkeypatch.setattr(plan_mod, "FUSED_DQ_VMEM", 0.0)  # dq in its own kernel, rotated back there
+  rope_close(rope, q, k, v, causal=True)
+
+
+def test_rope_composes_with_jit_vmap_and_the_xla_path():
+  rope = kernels.RotaryEmbedding(interleaved=True)
+  q, k, v = qkv(b=2, sq=128, h=2, kvh=1, d=64)
+  f = jax.jit(lambda q, k, v: run(q[None], k[None], v[None], rope=rope, causal=True)[0])
+  out = jax.vmap(f)(q, k, v)
+  close(out, rope_oracle(rope, q, k, v, causal=True))
+  g = jax.jit(jax.vmap(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1))))(q, k, v)
+  g_ref = jax.grad(lambda q, k: rope_oracle(rope, q, k, v, causal=True).sum(), argnums=(0, 1))(q, k)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=GRAD_RTOL * max(1.0, np.abs(b).max()), rtol=0)
+  xla = att.flash_attention(q, k, v, rope=rope, causal=True, implementation="xla")
+  np.testing.assert_allclose(np.asarray(xla), np.asarray(rope_oracle(rope, q, k, v, causal=True)), atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(np.asarray(xla), np.asarray(att.attention_reference(q, k, v, rope=rope, causal=True)))
+
+
+def test_rope_bad_input_names_the_argument():
+  q, k, v = qkv(sq=64, h=4, kvh=2)
+  assert "RotaryEmbedding" in _bad("rope", rope=dict(theta=1e4))
+  assert "q_len <= kv_len" in _bad("rope", rope=kernels.RotaryEmbedding(), q=rand((1, 65, 4, 64)))
+  assert "max_position" in _bad("rope", rope=kernels.RotaryEmbedding(max_position=32))
+  _bad("rotary_dim", rope=kernels.RotaryEmbedding(rotary_dim=33))
+  _bad("rotary_dim", rope=kernels.RotaryEmbedding(rotary_dim=128))  # > head_dim 64
+  _bad("theta", rope=kernels.RotaryEmbedding(theta=1.0))
+  _bad("scaling", rope=kernels.RotaryEmbedding(scaling="yarn"))
+  _bad("interleaved", rope=kernels.RotaryEmbedding(interleaved=1))
+  with pytest.raises(kernels.KernelError):
+    att.attention_reference(q, k, v, rope=kernels.RotaryEmbedding(max_position=10))
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_rope_forward_and_backward_at_defaults(generation):
+  # RoPE inside the kernels: one custom call forward (no rotation pass over q or k in HBM), BSHD
+  # read in place, and the backward's kernels (dk/dv with dq fused, or a dq kernel too).
+  q, kv = sds((1, 2048, 8, 128), bf16), sds((1, 2048, 2, 128), bf16)
+  rope = kernels.RotaryEmbedding(rotary_dim=64, interleaved=True)
+
+  def f(q, k, v):
+    return att.flash_attention(q, k, v, causal=True, rope=rope)
+  comp = compile_plain(f, (q, kv, kv), generation)
+  assert comp.hlo.count("tpu_custom_call") == 1 and "transpose(" not in comp.hlo
+  grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  comp = compile_plain(grad, (q, kv, kv), generation)
+  assert comp.hlo.count("tpu_custom_call") >= 2

@@ -140,6 +140,28 @@ def test_table_is_cached_and_in_the_kernels_layout():
   np.testing.assert_allclose(sin[:, 16:32], np.sin(np.arange(128)[:, None] * inv), atol=1e-7)
 
 
+def test_rotary_embedding_config_and_composed_rows():
+  """RotaryEmbedding (the config flash_attention fuses) runs rope with its options and shares its table;
+  compose_rows (the fused kernel's angle addition) gives the table's rows of a shifted block."""
+  cfg = kernels.RotaryEmbedding(rotary_dim=32, interleaved=True, scaling=2.0)
+  x = rand((1, 40, 2, 64), seed=3)
+  np.testing.assert_array_equal(np.asarray(cfg(x, implementation="xla")),
+                                np.asarray(rope(x, rotary_dim=32, interleaved=True, scaling=2.0, implementation="xla")))
+  np.testing.assert_array_equal(np.asarray(cfg.reference(x)),
+                                np.asarray(rope_reference(x, rotary_dim=32, interleaved=True, scaling=2.0)))
+  assert cfg.table(100, 64)[0] is rope_table(100, 64, rotary_dim=32, interleaved=True, scaling=RopeScaling("linear", 2.0))[0]
+  cos, sin = cfg.table(5000, 64)
+  base = np.stack([cos[4096], sin[4096]])
+  c2, s2 = importlib.import_module("kernels.rope").compose_rows(base, np.stack([cos[:128], sin[:128]]))
+  np.testing.assert_allclose(np.asarray(c2), cos[4096:4224], atol=2e-6, rtol=0)
+  np.testing.assert_allclose(np.asarray(s2), sin[4096:4224], atol=2e-6, rtol=0)
+  with pytest.raises(kernels.KernelError, match="rotary_dim"):
+    kernels.RotaryEmbedding(rotary_dim=3).resolved(64)
+  with pytest.raises(kernels.KernelError, match="max_position"):
+    kernels.RotaryEmbedding(max_position=0).resolved(64)
+
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_gradients(interleaved):
   x = rand((1, 24, 2, 64), seed=6)

@@ -54,6 +54,7 @@ Usage::
   python tools/bench_attention.py --only target            # just the S=8192 D=128 causal forward
   python tools/bench_attention.py --peers ours             # re-estimate ours only
   python tools/bench_attention.py --memory                 # temp HBM of XLA vs flash, S=1k..16k (compile only)
+  python tools/bench_attention.py --rope                   # RoPE fused into the kernel vs kernels.rope + it vs XLA
   # while another job holds the lock: short estimates only, each stopped after 75 s
   python tools/bench_attention.py --only target --no-lock --timeout 75
 
@@ -333,11 +334,91 @@ def build(peer, c, blocks):
       return _with_vjp(make(*a[n:]), bwd)(*a[:n])
     shapes = [(h, s, d), (hk, s, d), (hk, s, d)] + ([(h, s, d)] if bwd else [])
     return g, [_sds(x) for x in shapes] + tables
+  elif peer in ROPE_PEERS:  # all three in [B, S, H, D] (the layout kernels.rope reads)
+    shapes = [(b, s, h, d), (b, s, hk, d), (b, s, hk, d)]
+    f = _rope_peer(peer, causal, scale)
   else:
     raise ValueError(peer)
   if bwd:
     shapes.append(shapes[0])
   return _with_vjp(f, bwd), [_sds(x) for x in shapes]
+
+
+# --- RoPE fused into the kernel (--rope) -----------------------------------------------
+#
+# flash_attention(..., rope=RotaryEmbedding()) rotates q and k in VMEM; the unfused program runs
+# kernels.rope on q and k (an HBM pass over each, forward and backward) and then flash_attention;
+# XLA's is kernels.rope_reference then jax.nn.dot_product_attention(implementation="xla"). The
+# stored hbm_bytes are the compiler's counted traffic of each whole program.
+
+ROPE_PEERS = ("ours_rope_fused", "ours_rope_unfused", "xla_rope")
+# 2 heads, as the other cases (at 8 heads the cost model's process took more than 8 GB of RAM, and at
+# S=8192 even with 2); the traffic saved scales with the heads. XLA fits at S=4096 only (XLA_TOO_BIG).
+ROPE_CASES = [case(s, 128, True, bwd) for s in (2048, 4096, 8192) for bwd in (False, True)]
+
+
+ROPE_SHAPES = {case_key(c): c for c in ROPE_CASES}
+ROPE_HEADER = {
+    "description": "RoPE + causal attention, [batch, seq, heads, head_dim] bf16 in [B, S, H, D]: "
+                   "ours_rope_fused = flash_attention(q, k, v, rope=RotaryEmbedding()) (q and k rotated in "
+                   "VMEM); ours_rope_unfused = kernels.rope on q and k, then flash_attention; xla_rope = "
+                   "kernels.rope_reference then jax.nn.dot_product_attention(implementation='xla'). "
+                   "us: compiler estimate (floored); hbm_bytes: the compiler's counted HBM traffic of the "
+                   "whole program (forward, or jax.vjp forward+backward).",
+    "script": "tools/bench_attention.py --rope",
+}
+
+
+def _rope_peer(peer, causal, scale):
+  import importlib
+  km = importlib.import_module("kernels")
+  rope = km.RotaryEmbedding()
+  if peer == "ours_rope_fused":
+    return lambda q, k, v: km.flash_attention(q, k, v, causal=causal, scale=scale, rope=rope)
+  if peer == "ours_rope_unfused":
+    return lambda q, k, v: km.flash_attention(rope(q), rope(k), v, causal=causal, scale=scale)
+  return lambda q, k, v: jax.nn.dot_product_attention(rope.reference(q), rope.reference(k), v, is_causal=causal,
+                                                      scale=scale, implementation="xla")
+
+
+def _save_rope_entry(path, key, gen, peer, record):
+  """Stores one record, re-reading the file first (another run may have stored others meanwhile)."""
+  table = result_tables.load(path) or _header()
+  rt = table.setdefault("rope", {"results": {}})
+  rt.update({k: v for k, v in ROPE_HEADER.items() if k not in rt})
+  rt["results"].setdefault(key, {"shape": ROPE_SHAPES[key]}).setdefault(gen, {})[peer] = record
+  result_tables.save(table, path)
+
+
+def run_rope(args):
+  """Estimates of the three RoPE programs on ROPE_CASES, stored under ``"rope"`` in the table."""
+  table = result_tables.load(args.out) or _header()
+  rt = table.setdefault("rope", dict(ROPE_HEADER, results={}))
+  peers = [p for p in ROPE_PEERS if p in args.peers] or ROPE_PEERS
+  for c in ROPE_CASES:
+    key = case_key(c)
+    if args.only and key not in args.only.split(","):
+      continue
+    for gen in args.generations:
+      for peer in peers:
+        res = rt["results"].setdefault(key, {"shape": c}).setdefault(gen, {})
+        timed_out = res.get(peer, {}).get("error", "").startswith("not estimated: the estimate took")
+        if peer in res and not args.force and not (timed_out and ESTIMATE_TIMEOUT > args.timeout):
+          continue
+        if args.deadline and time.time() > args.deadline:
+          print("deadline reached: stopping", flush=True)
+          return
+        if peer == "xla_rope" and c["seq"] * c["heads"] >= 8192 * 2:
+          res[peer] = {"error": XLA_TOO_BIG}
+        else:
+          t0 = time.time()
+          res[peer] = estimate_isolated(peer, c, gen, None)
+          res[peer]["wall_seconds"] = round(time.time() - t0, 1)
+          res[peer]["date"] = datetime.date.today().isoformat()
+        _save_rope_entry(args.out, key, gen, peer, res[peer])
+        r = res[peer]
+        print(gen, key, peer, f"{r['us']:.1f} us, {r['hbm_bytes'] / 2**20:.1f} MiB" if "us" in r else r["error"],
+              flush=True)
 
 
 def _ours_blocks(blocks):
@@ -644,6 +725,8 @@ def main():
   p.add_argument("--hold-lock", action="store_true", help="take the heavy-work lock once for the whole run "
                  "(otherwise once per estimate); --minutes counts from when it is taken")
   p.add_argument("--memory", action="store_true", help="temp HBM of the compiled programs (no estimates)")
+  p.add_argument("--rope", action="store_true", help="RoPE fused into the kernel against kernels.rope + the "
+                 "kernel and XLA (stored under 'rope')")
   args = p.parse_args()
   MAX_RSS_GB = args.max_rss_gb
   if args.one:
@@ -665,6 +748,9 @@ def main():
     fcntl.flock(lk, fcntl.LOCK_EX)
     HOLDING_LOCK = True
   args.deadline = time.time() + 60 * args.minutes if args.minutes else None
+  if args.rope:
+    run_rope(args)
+    return
   run(args)
 
 
