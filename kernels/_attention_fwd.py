@@ -24,6 +24,7 @@ from kernels._attention_plan import (NEG_INF, _NN, _NT, _block_needed, _branches
                                      _visibility_tile, _zero_rows)
 
 
+_LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 _LANES = 128  # m is kept lane-replicated and l as lane partial sums, (bq, 128): no cross-lane op per step
 
 
@@ -59,7 +60,7 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   @pl.when(first)
   def _init():
     if p.sinks:
-      r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1], r.m.shape)
+      r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1] * (_LOG2E if plan.exp2 else 1.0), r.m.shape)
       r.l[...] = jnp.where(lax.broadcasted_iota(jnp.int32, r.l.shape, 1) == 0, 1.0, 0.0)  # sums to 1
     else:
       r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
@@ -69,7 +70,10 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
       r.acc[...] = jnp.where(ones_cols, 1.0 if p.sinks else 0.0, 0.0)
     else:
       r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
-    r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
+    # the q block stays the same along the kv axis: scale it once (by log2(e) too for exp2)
+    r.qs[...] = _scaled_q(r.q, p.scale * (_LOG2E if plan.exp2 else 1.0))
+
+  _exp = jnp.exp2 if plan.exp2 else jnp.exp  # exp2: the logits are in log2 units (q carries log2(e))
 
   def tile(rows, cols, masked: bool):
     """The online-softmax update of q rows ``rows`` by keys ``cols`` of the kv block (static slices)."""
@@ -94,10 +98,10 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
     m_wide = _lanes(m_use, bkc)
     if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
-      e = jnp.exp((s - m_wide).astype(jnp.bfloat16))
+      e = _exp((s - m_wide).astype(jnp.bfloat16))
     else:
-      e = jnp.exp(s - m_wide)
-    alpha = jnp.exp(m_prev - m_use)
+      e = _exp(s - m_wide)
+    alpha = _exp(m_prev - m_use)
     if not plan.mxu_rowsum:  # (else the PV matmul's ones columns sum the row)
       r.l[rows, :] = alpha * r.l[rows, :] + _lane_partials(e.astype(jnp.float32))
     if p.dropout_rate:
@@ -142,7 +146,7 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     if "lse" in names:
       # lse as a lane-replicated (bq, 128) tile, transposed so that row 0 holds it along lanes:
       # stored (1, bq), not (bq, 1), whose HBM tiles pad each row to 128 lanes
-      m = r.m[...]
+      m = r.m[...] * (_LN2 if plan.exp2 else 1.0)  # (exp2: m in log2 units)
       lw = jnp.broadcast_to(l, m.shape)
       lse = jnp.where(lw > 0, m + jnp.log(jnp.where(lw > 0, lw, 1.0)), NEG_INF)
       r.lse[...] = lse.T[0:1, :]

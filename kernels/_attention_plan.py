@@ -147,6 +147,7 @@ class _Plan:
   patterns_t: tuple = ()  # (kv rows, q cols): the dk/dv kernel
   fused_dq: bool = False  # backward: the dk/dv kernel also accumulates dq in VMEM (no dq kernel)
   mxu_rowsum: bool = False  # forward, head_dim < 128: the softmax denominator from the PV matmul (see below)
+  exp2: bool = False      # forward: exponentials as exp2 of logits in log2 units (log2(e) folded into q's scale)
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
@@ -190,6 +191,16 @@ KV_COMPUTE = 512
 # columns anyway, and the vector adds of the denominator's partial sums (one per score vreg)
 # are gone. Not with dropout (the denominator sums the probabilities before they are dropped).
 _MXU_ROWSUM = True
+
+
+# exp(x) is exp2(x * log2(e)) on the TPU's EUP: with log2(e) folded into the scale of the q block
+# (once per q block) the forward's exponentials are exp2 of its logits, one vector multiply per
+# score element fewer. Not with a soft cap or a bias (they act on logits in natural units).
+_EXP2 = True
+
+
+def _exp2(p: _Problem) -> bool:
+  return _EXP2 and p.softcap is None and p.bias_shape is None
 
 
 def _mxu_rowsum(p: _Problem) -> bool:
@@ -252,7 +263,8 @@ def _make_plan(p: _Problem, blocks, backward: bool) -> _Plan:
       and p.skv % bkv == 0 and tiles[0] == tiles[1] and 0 < tiles[0] < bq):
     patterns = tuple(_tile_patterns(p, bq, tiles[0], nq, transposed=t) for t in (False, True))
   return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded, band if band < nkv else 0,
-               *patterns, fused_dq, mxu_rowsum=not backward and _mxu_rowsum(p))
+               *patterns, fused_dq, mxu_rowsum=not backward and _mxu_rowsum(p),
+               exp2=not backward and _exp2(p))
 
 
 # The backward's dk/dv kernel also computes dq (ds^T k, from the ds it already has) into a VMEM

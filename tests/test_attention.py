@@ -521,6 +521,39 @@ def test_default_block_sizes():
       assert plan.folded and (plan.bq_masked, plan.bkv_masked) == (512, 512), plan
 
 
+def test_default_block_sizes_per_head_dim():
+  # issue 23: per-(generation, head_dim) defaults; head dims in between take the class above them
+  table = att.tiling.block_table("attention")
+  for gen in kernels.TPU_GENERATIONS:
+    by_d = table[gen]["bfloat16"].get("by_head_dim", {})
+    for d in ("64", "256"):
+      assert d in by_d, (gen, d)
+      blocks = att.default_block_sizes(gen, jnp.bfloat16, int(d))
+      assert (blocks.block_q, blocks.block_kv) == (by_d[d]["block_q"], by_d[d]["block_kv"])
+      assert blocks.block_q_bwd == table[gen]["bfloat16"]["block_q_bwd"]  # the backward's stay
+    assert att.default_block_sizes(gen, jnp.bfloat16, 32) == att.default_block_sizes(gen, jnp.bfloat16, 64)
+    assert att.default_block_sizes(gen, jnp.bfloat16, 96) == att.default_block_sizes(gen, jnp.bfloat16, 128)
+    assert att.default_block_sizes(gen, jnp.bfloat16, 192) == att.default_block_sizes(gen, jnp.bfloat16, 256)
+
+
+@pytest.mark.parametrize("gen", kernels.TPU_GENERATIONS)
+def test_default_plan_at_tuned_head_dims(gen):
+  # The default plans of the tuned head dims at the lengths they were tuned for (and 16k), causal or
+  # not, bf16 and f32, forward and backward: the table's blocks fit, or are halved until they do.
+  for d in (64, 128, 256):
+    for s in (4096, 8192, 16384):
+      for causal in (False, True):
+        for dtype in (jnp.bfloat16, jnp.float32):
+          q = jax.ShapeDtypeStruct((1, 2, s, d), dtype)
+          p, _, _ = att._validate(q, q, q, causal=causal, segment_ids=None, sliding_window=None,
+                                  logits_soft_cap=None, scale=None, bias=None, mask=None, sinks=None,
+                                  dropout_rate=0.0, dropout_key=None, layout="BHSD")
+          with kernels.backend.target(gen):
+            fwd = att._plan(p, None, backward=False)
+            att._plan(p, None, backward=True)
+          assert fwd.mxu_rowsum == (d == 64)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(sq=st.integers(1, 2048), skv=st.integers(1, 2048), d=st.sampled_from([32, 64, 96, 128, 192, 256]),
        causal=st.booleans(), bf16=st.booleans(), gqa=st.booleans(), gen=st.sampled_from(kernels.TPU_GENERATIONS))
