@@ -38,7 +38,7 @@ Two more cut the vector work per score, which binds on v6e and at small head dim
 MXU's time per pair is the same at head_dim 64 as at 128 on v5e, and at 64, 128 and 256
 on v6e's 256-wide arrays). *exp2* (``_Plan.exp2``; not with a soft cap or a bias): the
 scale of the q tile carries ``log2(e)``, so the scores are in base-2 units and the
-exponentials are ``exp2`` (the EUP's native form), one multiply per score fewer; ``lse``
+exponentials are ``exp2`` (``exp(x)`` is ``exp2(x * log2(e))``), one multiply per score fewer; ``lse``
 is converted back at the end. *The denominator from the MXU* (``_Plan.mxu_rowsum``,
 head_dim not a multiple of 128, no dropout): each V block is copied into a VMEM tile
 padded with columns of ones, so the PV matmul, whose output tile is padded to whole MXU

@@ -682,3 +682,17 @@ def test_aot_folded_tiled_and_banded_grids(generation, monkeypatch):
       grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
       comp = compile_plain(grad, (q, kv, kv), generation)
       assert comp.hlo.count("tpu_custom_call") == (2 if fused and generation != "v4" else 3)
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_tuned_head_dims_at_defaults(generation):
+  # issue 23: the per-head_dim defaults (by_head_dim) compile: head_dim 64 (the denominator from the
+  # PV matmul, exp2), causal; head_dim 256 non-causal, and its forward + backward, causal
+  for d, causal, backward in ((64, True, False), (256, False, False), (256, True, True)):
+    q = sds((1, 2, 4096, d), bf16)
+    f = functools.partial(att.flash_attention, causal=causal, layout="BHSD")
+    fn = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if backward else f
+    comp = compile_plain(fn, (q, q, q), generation)
+    n = comp.hlo.count("tpu_custom_call")
+    assert n >= 2 if backward else n == 1, (d, causal, n)  # backward: dk/dv (dq fused, or a dq kernel)
