@@ -560,6 +560,8 @@ def run(args):
           cands = cands if args.tune else cands[:1]
           if args.no_peer_defaults and peer in ("jax_flash", "splash") and len(cands) > 1:
             cands = cands[1:]  # their 128-blocks defaults are never the best peer: save the estimate
+          if args.max_candidates:
+            cands = cands[:args.max_candidates]
           for blocks in cands:
             name = "default" if blocks is None else json.dumps(blocks, sort_keys=True)
             entry = table["cases"].setdefault(key, {"shape": c, "flops": cost(c)[0], "bytes": cost(c)[1],
@@ -640,6 +642,7 @@ def main():
   p.add_argument("--only", default="", help="'target' or comma-separated case keys")
   p.add_argument("--no-tune", dest="tune", action="store_false", help="defaults only")
   p.add_argument("--force", action="store_true")
+  p.add_argument("--max-candidates", type=int, default=0, help="estimate at most this many block sizes per peer")
   p.add_argument("--no-peer-defaults", action="store_true",
                  help="skip JAX flash's and splash's default (128) blocks, estimate only their tuned ones")
   p.add_argument("--minutes", type=float, default=0, help="stop starting estimates after this many minutes")
