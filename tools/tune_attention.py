@@ -17,6 +17,13 @@ process (libtpu's cost model can abort a process). Run it under the shared lock:
 scalar integer division as 0, and the kernel's block ranges were divisions, so the model
 charged one kv block per causal q row. The kernel now uses products and shifts there.)
 
+``--head-dim 64`` (or 256) tunes only the forward blocks at that head_dim (candidates
+1024 x 1024 and 2048 x 2048, causal and not, S = 4096 and 8192, 2 heads, ranked by the
+geometric mean of the four estimates) into the generation's ``by_head_dim`` entry, which
+:func:`kernels.attention.default_block_sizes` uses for head dims nearest it::
+
+  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --head-dim 64 --generations v6e v5e
+
 Generations not tuned get derived entries: v5p uses v5e's blocks (same 128x128
 MXUs; 64 MiB of VMEM is enough for them), v4 uses v5p's, shrunk until the kernel's
 VMEM plan fits v4's 16 MiB. Results go to ``kernels/data/attention_blocks.json``
