@@ -696,3 +696,21 @@ def test_aot_tuned_head_dims_at_defaults(generation):
     comp = compile_plain(fn, (q, q, q), generation)
     n = comp.hlo.count("tpu_custom_call")
     assert n >= 2 if backward else n == 1, (d, causal, n)  # backward: dk/dv (dq fused, or a dq kernel)
+
+
+@pytest.mark.parametrize("rowsum,exp2", [(True, True), (False, False)])
+def test_forward_variants_denominator_and_exp2(rowsum, exp2, monkeypatch):
+  # issue 23: the denominator from the PV matmul (head_dim < 128) and exp2 with log2(e) in q's
+  # scale, on and off, with sinks (the denominator starts at 1) and lse (converted back from base 2)
+  monkeypatch.setattr(plan_mod, "_MXU_ROWSUM", rowsum)
+  monkeypatch.setattr(plan_mod, "_EXP2", exp2)
+  q, k, v = qkv(sq=200, h=2, kvh=1, d=64)
+  sinks = jnp.asarray([0.4, -1.0])
+  p = att._validate(q, k, v, causal=True, segment_ids=None, sliding_window=None, logits_soft_cap=None, scale=None,
+                    bias=None, mask=None, sinks=sinks, dropout_rate=0.0, dropout_key=None, layout="BSHD")[0]
+  plan = att._plan(p, SMALL, backward=False)
+  assert (plan.mxu_rowsum, plan.exp2) == (rowsum, exp2)
+  out, lse = run(q, k, v, causal=True, sinks=sinks, return_residuals=True)
+  ref, ref_lse = att.attention_reference(q, k, v, causal=True, sinks=sinks, return_residuals=True)
+  close(out, ref)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
