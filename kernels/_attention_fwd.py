@@ -17,12 +17,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels import tiling
 from kernels._attention_plan import (NEG_INF, _NN, _NT, _block_needed, _branches, _compiler_params, _full_block,
                                      _keep_tile, _masked_tiles, _Plan, _Problem, _q_major_grid, _q_major_ids,
                                      _q_major_inputs, _Refs, _rope_block, _scaled_q_rows, _seq_shape, _seq_spec,
                                      _soft_cap, _visibility_tile, _zero_rows)
 
 
+_LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 _LANES = 128  # m is kept lane-replicated and l as lane partial sums, (bq, 128): no cross-lane op per step
 
 
@@ -58,21 +60,29 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
   @pl.when(first)
   def _init():
     if p.sinks:
-      r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1], r.m.shape)
+      r.m[...] = jnp.broadcast_to(r.sinks[0:1, 0:1] * (_LOG2E if plan.exp2 else 1.0), r.m.shape)
       r.l[...] = jnp.where(lax.broadcasted_iota(jnp.int32, r.l.shape, 1) == 0, 1.0, 0.0)  # sums to 1
     else:
       r.m[...] = jnp.full(r.m.shape, NEG_INF, jnp.float32)
       r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
-    r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
-    if p.rope is not None:  # rotate (and scale) the q block once, not once per kv step
-      r.qs[...] = _rope_block(p, r, r.q, "q", p.scale)
+    if plan.mxu_rowsum:  # columns d.. of acc hold the denominator (the sink's 1 to start with)
+      ones_cols = lax.broadcasted_iota(jnp.int32, r.acc.shape, 1) >= p.d
+      r.acc[...] = jnp.where(ones_cols, 1.0 if p.sinks else 0.0, 0.0)
     else:
-      r.qs[...] = _scaled_q(r.q, p.scale)  # the q block stays the same along the kv axis: scale it once
+      r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
+    # the q block stays the same along the kv axis: rotate and scale it once (by log2(e) too for exp2)
+    q_scale = p.scale * (_LOG2E if plan.exp2 else 1.0)
+    if p.rope is not None:
+      r.qs[...] = _rope_block(p, r, r.q, "q", q_scale)
+    else:
+      r.qs[...] = _scaled_q(r.q, q_scale)
+
+  _exp = jnp.exp2 if plan.exp2 else jnp.exp  # exp2: the logits are in log2 units (q carries log2(e))
 
   def tile(rows, cols, masked: bool):
     """The online-softmax update of q rows ``rows`` by keys ``cols`` of the kv block (static slices)."""
     q = r.qs[rows, :]
-    k, v = (r.k if p.rope is None else r.ks)[cols, :], r.v[cols, :]
+    k, v = (r.k if p.rope is None else r.ks)[cols, :], (r.vx if plan.mxu_rowsum else r.v)[cols, :]
     nr, bkc = q.shape[0], k.shape[0]
     k0 = j * bkv + cols.start  # first key of the tile
     if masked and p.skv % bkv:
@@ -92,23 +102,25 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
     m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
     m_wide = _lanes(m_use, bkc)
     if plan.exp_bf16:  # bf16 in, bf16 out: the probabilities go to the MXU in bf16 anyway
-      e = jnp.exp((s - m_wide).astype(jnp.bfloat16))
-      part = _lane_partials(e.astype(jnp.float32))
+      e = _exp((s - m_wide).astype(jnp.bfloat16))
     else:
-      e = jnp.exp(s - m_wide)
-      part = _lane_partials(e)
-    alpha = jnp.exp(m_prev - m_use)
-    r.l[rows, :] = alpha * r.l[rows, :] + part
+      e = _exp(s - m_wide)
+    alpha = _exp(m_prev - m_use)
+    if not plan.mxu_rowsum:  # (else the PV matmul's ones columns sum the row)
+      r.l[rows, :] = alpha * r.l[rows, :] + _lane_partials(e.astype(jnp.float32))
     if p.dropout_rate:
       keep = _keep_tile(p, r.seed[0:1, 0:1], b, h, qpos, kpos)
       e = jnp.where(keep, e * (1.0 / (1.0 - p.dropout_rate)), 0.0)
-    r.acc[rows, :] = _lanes(alpha, p.d) * r.acc[rows, :] + lax.dot_general(
+    r.acc[rows, :] = _lanes(alpha, r.acc.shape[1]) * r.acc[rows, :] + lax.dot_general(
         e.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
     r.m[rows, :] = m_new
 
   def step(masked: bool):
     if p.rope is not None:  # the rotated k block, read by every tile of this step
       r.ks[...] = _rope_block(p, r, r.k, "k")
+    if plan.mxu_rowsum:  # V and columns of ones: the PV matmul also sums the probabilities
+      r.vx[:, :p.d] = r.v[...]
+      r.vx[:, p.d:] = jnp.ones((bkv, r.vx.shape[1] - p.d), r.vx.dtype)
     # kv sub-blocks: smaller f32 temporaries, same DMA block
     bkc = plan.bkv_compute
     if not masked or (plan.bq_masked, plan.bkv_masked) == (bq, bkc):
@@ -130,12 +142,17 @@ def _fwd_kernel(*refs, p: _Problem, plan: _Plan, names):
 
   @pl.when(last)
   def _finish():
-    l = r.l[...].sum(axis=1, keepdims=True)  # the lane partial sums -> the row's denominator
-    r.o[...] = (r.acc[...] / jnp.broadcast_to(jnp.where(l > 0, l, 1.0), r.acc.shape)).astype(r.o.dtype)
+    if plan.mxu_rowsum:
+      acc = r.acc[...]
+      l, acc = acc[:, p.d:p.d + 1], acc[:, :p.d]
+    else:
+      acc = r.acc[...]
+      l = r.l[...].sum(axis=1, keepdims=True)  # the lane partial sums -> the row's denominator
+    r.o[...] = (acc / jnp.broadcast_to(jnp.where(l > 0, l, 1.0), acc.shape)).astype(r.o.dtype)
     if "lse" in names:
       # lse as a lane-replicated (bq, 128) tile, transposed so that row 0 holds it along lanes:
       # stored (1, bq), not (bq, 1), whose HBM tiles pad each row to 128 lanes
-      m = r.m[...]
+      m = r.m[...] * (_LN2 if plan.exp2 else 1.0)  # (exp2: m in log2 units)
       lw = jnp.broadcast_to(l, m.shape)
       lse = jnp.where(lw > 0, m + jnp.log(jnp.where(lw > 0, lw, 1.0)), NEG_INF)
       r.lse[...] = lse.T[0:1, :]
@@ -158,12 +175,16 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
     out_shape.append(jax.ShapeDtypeStruct((p.b, p.h, plan.nq, 1, bq), jnp.float32))
     names.append("lse")
   names += ["m", "l", "acc", "qs"]
+  dacc = tiling.round_up(p.d, _LANES) if plan.mxu_rowsum else p.d   # acc's columns d..: the denominator
   scratch = [pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
-             pltpu.VMEM((bq, p.d), jnp.float32),
+             pltpu.VMEM((bq, dacc), jnp.float32),
              pltpu.VMEM((bq, p.d), p.dtype)]
   if p.rope is not None:
     names.append("ks")
     scratch.append(pltpu.VMEM((plan.bkv, p.d), p.dtype))
+  if plan.mxu_rowsum:
+    names.append("vx")
+    scratch.append(pltpu.VMEM((plan.bkv, dacc), p.dtype))
   grid = _q_major_grid(p, plan)
   frac = 0.5 if p.causal else 1.0
   isz = p.dtype.itemsize

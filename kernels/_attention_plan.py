@@ -148,6 +148,8 @@ class _Plan:
   patterns: tuple = ()    # (q rows, kv cols): the forward and dq kernels
   patterns_t: tuple = ()  # (kv rows, q cols): the dk/dv kernel
   fused_dq: bool = False  # backward: the dk/dv kernel also accumulates dq in VMEM (no dq kernel)
+  mxu_rowsum: bool = False  # forward, head_dim < 128: the softmax denominator from the PV matmul (see below)
+  exp2: bool = False      # forward: exponentials as exp2 of logits in log2 units (log2(e) folded into q's scale)
 
 
 def _fit(block: int, n: int, multiple: int, name: str, blocks) -> int:
@@ -185,6 +187,28 @@ _EXP_BF16 = False
 KV_COMPUTE = 512
 
 
+# The forward with a head_dim that leaves free lanes in the PV matmul's output (64: half of a
+# 128-lane tile) appends columns of ones to each V block in VMEM, so that the same matmul also
+# sums each row's probabilities: the MXU's output tile is padded to 128 (v4/v5) or 256 (v6e)
+# columns anyway, and the vector adds of the denominator's partial sums (one per score vreg)
+# are gone. Not with dropout (the denominator sums the probabilities before they are dropped).
+_MXU_ROWSUM = True
+
+
+# exp(x) is exp2(x * log2(e)) on the TPU's EUP: with log2(e) folded into the scale of the q block
+# (once per q block) the forward's exponentials are exp2 of its logits, one vector multiply per
+# score element fewer. Not with a soft cap or a bias (they act on logits in natural units).
+_EXP2 = True
+
+
+def _exp2(p: _Problem) -> bool:
+  return _EXP2 and p.softcap is None and p.bias_shape is None
+
+
+def _mxu_rowsum(p: _Problem) -> bool:
+  return _MXU_ROWSUM and p.d % 128 != 0 and not p.dropout_rate
+
+
 def _kv_compute(bkv: int) -> int:
   """Keys per sub-block of the forward's math in a kv block of ``bkv`` keys."""
   return KV_COMPUTE if bkv % KV_COMPUTE == 0 else bkv
@@ -218,7 +242,9 @@ def _make_plan(p: _Problem, blocks, backward: bool) -> _Plan:
   else:
     bq = _fit(blocks.block_q, p.sq, tiling.sublane_multiple(p.dtype), "block_q", blocks)
     bkv = _fit(blocks.block_kv, p.skv, 128, "block_kv", blocks)
-    limit = _vmem(p, bq, bkv, 2, 2, 1, blocks, temp_cols=_kv_compute(bkv), extra=_rope_vmem(p, bq, bkv))
+    # the ones-extended V block and the accumulator's extra columns; RoPE's tables and rotated k
+    extra = (bkv * tiling.round_up(p.d, 128) * p.dtype.itemsize + bq * 128 * 4) if _mxu_rowsum(p) else 0
+    limit = _vmem(p, bq, bkv, 2, 2, 1, blocks, temp_cols=_kv_compute(bkv), extra=extra + _rope_vmem(p, bq, bkv))
   exp_bf16 = (_EXP_BF16 and not backward and chip is not None and chip.name == "v6e" and p.dtype == jnp.bfloat16
               and not p.dropout_rate)
   bkc = bkv if backward else _kv_compute(bkv)
@@ -240,7 +266,8 @@ def _make_plan(p: _Problem, blocks, backward: bool) -> _Plan:
       and p.skv % bkv == 0 and tiles[0] == tiles[1] and 0 < tiles[0] < bq):
     patterns = tuple(_tile_patterns(p, bq, tiles[0], nq, transposed=t) for t in (False, True))
   return _Plan(bq, bkv, nq, nkv, inplace, limit, exp_bf16, bkc, *tiles, folded, band if band < nkv else 0,
-               *patterns, fused_dq)
+               *patterns, fused_dq, mxu_rowsum=not backward and _mxu_rowsum(p),
+               exp2=not backward and _exp2(p))
 
 
 # The backward's dk/dv kernel also computes dq (ds^T k, from the ds it already has) into a VMEM

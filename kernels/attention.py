@@ -34,6 +34,16 @@ whole-vreg copies rather than a cross-lane broadcast per step; ``l`` is kept as
 end, rather than once per step; and the math of a step walks its kv block in sub-blocks
 of ``KV_COMPUTE`` (512) keys, so the f32 score tiles are ``block_q x 512`` (fewer live
 temporaries) while the DMA block stays large (fewer grid steps).
+Two more cut the vector work per score, which binds on v6e and at small head dims (the
+MXU's time per pair is the same at head_dim 64 as at 128 on v5e, and at 64, 128 and 256
+on v6e's 256-wide arrays). *exp2* (``_Plan.exp2``; not with a soft cap or a bias): the
+scale of the q tile carries ``log2(e)``, so the scores are in base-2 units and the
+exponentials are ``exp2`` (``exp(x)`` is ``exp2(x * log2(e))``), one multiply per score fewer; ``lse``
+is converted back at the end. *The denominator from the MXU* (``_Plan.mxu_rowsum``,
+head_dim not a multiple of 128, no dropout): each V block is copied into a VMEM tile
+padded with columns of ones, so the PV matmul, whose output tile is padded to whole MXU
+columns anyway, also sums each row's probabilities into ``acc``'s extra columns, and
+``l``'s vector adds are gone.
 
 *GQA / MQA.* ``k``/``v`` have ``kv_heads`` dividing ``heads``; q head ``h`` reads kv
 head ``h // (heads / kv_heads)`` through the index map. Nothing is repeated in HBM.
@@ -131,7 +141,8 @@ bf16 anyway; the row sums stay f32) and tested in interpret mode, but off
 (``_EXP_BF16``): libtpu's cost model aborts on them, so their speed is unknown.
 
 *Block sizes.* :class:`BlockSizes` ``(block_q, block_kv, block_q_bwd, block_kv_bwd)``;
-the defaults per generation come from ``kernels/data/attention_blocks.json``,
+the defaults per generation and head_dim (64, 128, 256; other head dims take the
+nearest above) come from ``kernels/data/attention_blocks.json``,
 written by ``tools/tune_attention.py`` from compiler estimates (the forward: causal
 and non-causal at S=8192); without an entry, 1024/1024 forward and 512/512 backward
 (512 throughout on v4, 16 MiB of VMEM). Large blocks cost a causal kernel little,
@@ -224,8 +235,15 @@ _FALLBACK = BlockSizes(1024, 1024, 512, 512)
 _FALLBACK_SMALL_VMEM = BlockSizes(512, 512, 512, 512)
 
 
+def _head_dim_class(head_dim: int) -> str:
+  """The tuned head_dim whose blocks a head_dim takes: 64 up to 64, 128 up to 128, else 256."""
+  return "64" if head_dim <= 64 else "128" if head_dim <= 128 else "256"
+
+
 def default_block_sizes(generation=None, dtype=jnp.bfloat16, head_dim: int = 128) -> BlockSizes:
-  """The shipped defaults for ``generation`` (None: v5e), from ``kernels/data/attention_blocks.json``."""
+  """The shipped defaults for ``generation`` (None: v5e) and ``head_dim``, from
+  ``kernels/data/attention_blocks.json``: an entry per generation (tuned at head_dim 128), whose
+  ``by_head_dim`` entries (64, 256) override its forward blocks for the head dims nearest them."""
   gen = generation or "v5e"
   per_gen = tiling.block_table("attention").get(gen, {})
   entry = per_gen.get(jnp.dtype(dtype).name)
@@ -234,6 +252,8 @@ def default_block_sizes(generation=None, dtype=jnp.bfloat16, head_dim: int = 128
   if not entry:
     entry = dataclasses.asdict(_FALLBACK_SMALL_VMEM if gen == "v4" else _FALLBACK)
   fields = {f.name for f in dataclasses.fields(BlockSizes)}
+  by_d = entry.get("by_head_dim", {}).get(_head_dim_class(head_dim), {})
+  entry = {**entry, **{k: v for k, v in by_d.items() if k in fields}}
   blocks = BlockSizes(**{k: v for k, v in entry.items() if k in fields})
   if head_dim > 128 and jnp.dtype(dtype).itemsize == 4:  # f32 and a wide head: halve the tiles' VMEM
     blocks = BlockSizes(*(max(128, b // 2) for b in dataclasses.astuple(blocks)))

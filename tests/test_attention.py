@@ -522,6 +522,39 @@ def test_default_block_sizes():
       assert plan.folded and (plan.bq_masked, plan.bkv_masked) == (512, 512), plan
 
 
+def test_default_block_sizes_per_head_dim():
+  # issue 23: per-(generation, head_dim) defaults; head dims in between take the class above them
+  table = att.tiling.block_table("attention")
+  for gen in kernels.TPU_GENERATIONS:
+    by_d = table[gen]["bfloat16"].get("by_head_dim", {})
+    for d in ("64", "256"):
+      assert d in by_d, (gen, d)
+      blocks = att.default_block_sizes(gen, jnp.bfloat16, int(d))
+      assert (blocks.block_q, blocks.block_kv) == (by_d[d]["block_q"], by_d[d]["block_kv"])
+      assert blocks.block_q_bwd == table[gen]["bfloat16"]["block_q_bwd"]  # the backward's stay
+    assert att.default_block_sizes(gen, jnp.bfloat16, 32) == att.default_block_sizes(gen, jnp.bfloat16, 64)
+    assert att.default_block_sizes(gen, jnp.bfloat16, 96) == att.default_block_sizes(gen, jnp.bfloat16, 128)
+    assert att.default_block_sizes(gen, jnp.bfloat16, 192) == att.default_block_sizes(gen, jnp.bfloat16, 256)
+
+
+@pytest.mark.parametrize("gen", kernels.TPU_GENERATIONS)
+def test_default_plan_at_tuned_head_dims(gen):
+  # The default plans of the tuned head dims at the lengths they were tuned for (and 16k), causal or
+  # not, bf16 and f32, forward and backward: the table's blocks fit, or are halved until they do.
+  for d in (64, 128, 256):
+    for s in (4096, 8192, 16384):
+      for causal in (False, True):
+        for dtype in (jnp.bfloat16, jnp.float32):
+          q = jax.ShapeDtypeStruct((1, 2, s, d), dtype)
+          p, _, _ = att._validate(q, q, q, causal=causal, segment_ids=None, sliding_window=None,
+                                  logits_soft_cap=None, scale=None, bias=None, mask=None, sinks=None,
+                                  dropout_rate=0.0, dropout_key=None, layout="BHSD")
+          with kernels.backend.target(gen):
+            fwd = att._plan(p, None, backward=False)
+            att._plan(p, None, backward=True)
+          assert fwd.mxu_rowsum == (d == 64)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(sq=st.integers(1, 2048), skv=st.integers(1, 2048), d=st.sampled_from([32, 64, 96, 128, 192, 256]),
        causal=st.booleans(), bf16=st.booleans(), gqa=st.booleans(), gen=st.sampled_from(kernels.TPU_GENERATIONS))
@@ -757,3 +790,35 @@ def test_aot_rope_forward_and_backward_at_defaults(generation):
   grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   comp = compile_plain(grad, (q, kv, kv), generation)
   assert comp.hlo.count("tpu_custom_call") >= 2
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_tuned_head_dims_at_defaults(generation):
+  # issue 23: the per-head_dim defaults (by_head_dim) compile: head_dim 64 (the denominator from the
+  # PV matmul, exp2), causal; head_dim 256 non-causal, and its forward + backward, causal
+  for d, causal, backward in ((64, True, False), (256, False, False), (256, True, True)):
+    q = sds((1, 2, 4096, d), bf16)
+    f = functools.partial(att.flash_attention, causal=causal, layout="BHSD")
+    fn = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if backward else f
+    comp = compile_plain(fn, (q, q, q), generation)
+    n = comp.hlo.count("tpu_custom_call")
+    assert n >= 2 if backward else n == 1, (d, causal, n)  # backward: dk/dv (dq fused, or a dq kernel)
+
+
+@pytest.mark.parametrize("rowsum,exp2", [(True, True), (False, False)])
+def test_forward_variants_denominator_and_exp2(rowsum, exp2, monkeypatch):
+  # issue 23: the denominator from the PV matmul (head_dim < 128) and exp2 with log2(e) in q's
+  # scale, on and off, with sinks (the denominator starts at 1) and lse (converted back from base 2)
+  monkeypatch.setattr(plan_mod, "_MXU_ROWSUM", rowsum)
+  monkeypatch.setattr(plan_mod, "_EXP2", exp2)
+  q, k, v = qkv(sq=200, h=2, kvh=1, d=64)
+  sinks = jnp.asarray([0.4, -1.0])
+  p = att._validate(q, k, v, causal=True, segment_ids=None, sliding_window=None, logits_soft_cap=None, scale=None,
+                    bias=None, mask=None, sinks=sinks, dropout_rate=0.0, dropout_key=None, layout="BSHD")[0]
+  plan = att._plan(p, SMALL, backward=False)
+  assert (plan.mxu_rowsum, plan.exp2) == (rowsum, exp2)
+  out, lse = run(q, k, v, causal=True, sinks=sinks, return_residuals=True)
+  ref, ref_lse = att.attention_reference(q, k, v, causal=True, sinks=sinks, return_residuals=True)
+  close(out, ref)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-5)

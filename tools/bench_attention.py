@@ -94,7 +94,7 @@ DTYPE = "bfloat16"
 # estimate's cost grows with grid steps) and XLA's estimate within this machine's RAM (at
 # 8 heads and S=8192 the estimating process was killed for memory); the head count only
 # scales the work.
-HEADS = {64: 2, 128: 2}
+HEADS = {64: 2, 128: 2, 256: 2}
 
 
 # --- cases ------------------------------------------------------------------------
@@ -131,6 +131,10 @@ def cases_in_order():
   out += [case(4096, 128, True, True, heads=8, kv_heads=2), case(8192, 128, True, True, window=1024)]
   for s in (8192, 4096, 2048, 1024, 16384):
     out += [case(s, 64, True, True), case(s, 64, False, True)]
+  for s in (8192, 4096):  # issue 23: head_dim 256 (64 is above)
+    out += [case(s, 256, True, False), case(s, 256, False, False)]
+  for s in (4096,):
+    out += [case(s, 256, True, True), case(s, 256, False, True)]
   return out
 
 
@@ -635,6 +639,10 @@ def run(args):
             return
           cands = candidates(peer, c, table, gen)
           cands = cands if args.tune else cands[:1]
+          if args.no_peer_defaults and peer in ("jax_flash", "splash") and len(cands) > 1:
+            cands = cands[1:]  # their 128-blocks defaults are never the best peer: save the estimate
+          if args.max_candidates:
+            cands = cands[:args.max_candidates]
           for blocks in cands:
             name = "default" if blocks is None else json.dumps(blocks, sort_keys=True)
             entry = table["cases"].setdefault(key, {"shape": c, "flops": cost(c)[0], "bytes": cost(c)[1],
@@ -715,6 +723,9 @@ def main():
   p.add_argument("--only", default="", help="'target' or comma-separated case keys")
   p.add_argument("--no-tune", dest="tune", action="store_false", help="defaults only")
   p.add_argument("--force", action="store_true")
+  p.add_argument("--max-candidates", type=int, default=0, help="estimate at most this many block sizes per peer")
+  p.add_argument("--no-peer-defaults", action="store_true",
+                 help="skip JAX flash's and splash's default (128) blocks, estimate only their tuned ones")
   p.add_argument("--minutes", type=float, default=0, help="stop starting estimates after this many minutes")
   p.add_argument("--out", default=OUT)
   p.add_argument("--no-lock", action="store_true", help="do not take the lock: for a few short estimates "

@@ -17,6 +17,13 @@ process (libtpu's cost model can abort a process). Run it under the shared lock:
 scalar integer division as 0, and the kernel's block ranges were divisions, so the model
 charged one kv block per causal q row. The kernel now uses products and shifts there.)
 
+``--head-dim 64`` (or 256) tunes only the forward blocks at that head_dim (candidates
+1024 x 1024 and 2048 x 2048, causal and not, S = 4096 and 8192, 2 heads, ranked by the
+geometric mean of the four estimates) into the generation's ``by_head_dim`` entry, which
+:func:`kernels.attention.default_block_sizes` uses for head dims nearest it::
+
+  flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --head-dim 64 --generations v6e v5e
+
 Generations not tuned get derived entries: v5p uses v5e's blocks (same 128x128
 MXUs; 64 MiB of VMEM is enough for them), v4 uses v5p's, shrunk until the kernel's
 VMEM plan fits v4's 16 MiB. Results go to ``kernels/data/attention_blocks.json``
@@ -58,16 +65,16 @@ FWD_CANDIDATES = [(1024, 1024), (2048, 1024), (2048, 2048)]
 BWD_CANDIDATES = [(512, 512), (1024, 1024)]
 
 
-def _problem(seq, heads, causal):
-  q = jax.ShapeDtypeStruct((1, heads, seq, HEAD_DIM), jnp.bfloat16)
-  fwd_flops = 4 * seq * seq * HEAD_DIM * heads * (0.5 if causal else 1.0)
+def _problem(seq, heads, causal, head_dim=HEAD_DIM):
+  q = jax.ShapeDtypeStruct((1, heads, seq, head_dim), jnp.bfloat16)
+  fwd_flops = 4 * seq * seq * head_dim * heads * (0.5 if causal else 1.0)
   return q, fwd_flops, 4 * q.size * 2
 
 
-def program(seq, heads, blocks, backward, causal=False):
+def program(seq, heads, blocks, backward, causal=False, head_dim=HEAD_DIM):
   """(function, argument specs, FLOPs, roofline bytes) of the program :func:`_estimate` estimates
   (``tools/refloor.py`` counts its HBM bytes)."""
-  q, fwd_flops, nbytes = _problem(seq, heads, causal)
+  q, fwd_flops, nbytes = _problem(seq, heads, causal, head_dim)
 
   def f(q, k, v):
     return att.flash_attention(q, k, v, causal=causal, layout="BHSD", block_sizes=blocks)
@@ -79,12 +86,12 @@ def program(seq, heads, blocks, backward, causal=False):
   return fn, (q, q, q), flops, nbytes
 
 
-def _estimate(gen, seq, heads, blocks, backward, causal=False):
-  fn, args, flops, nbytes = program(seq, heads, blocks, backward, causal)
+def _estimate(gen, seq, heads, blocks, backward, causal=False, head_dim=HEAD_DIM):
+  fn, args, flops, nbytes = program(seq, heads, blocks, backward, causal, head_dim)
   t0 = time.time()
   est = kernels.estimate_tpu(fn, *args, generation=gen, isolate=True, flops=flops, bytes_accessed=nbytes)
   row = {**est.record(), "wall_seconds": round(time.time() - t0)}
-  print(f"  {gen} S={seq} {'causal ' if causal else ''}{'fwd+bwd' if backward else 'fwd'} "
+  print(f"  {gen} D={head_dim} S={seq} {'causal ' if causal else ''}{'fwd+bwd' if backward else 'fwd'} "
         f"{dataclasses.astuple(blocks)}: {row}", flush=True)
   return row
 
@@ -136,8 +143,45 @@ def tune(gen, old=None):
               kind="compiler estimate", tuned=datetime.date.today().isoformat())
 
 
-def _fits(gen, blocks, backward):
-  p = att._Problem(b=1, h=BWD_HEADS, kvh=BWD_HEADS, sq=8192, skv=8192, d=HEAD_DIM, dtype=jnp.dtype(jnp.bfloat16),
+# Head dims other than 128 (issue 23): forward blocks only, tuned at both target lengths.
+HEAD_DIM_SEQS = (4096, 8192)
+HEAD_DIM_CANDIDATES = [(1024, 1024), (2048, 2048)]  # (2048, 1024) never led at head_dim 128
+
+
+def tune_head_dim(gen, head_dim, deadline=None):
+  """A ``by_head_dim`` entry: the forward blocks at ``head_dim``, ranked by the geometric mean of the
+  causal and non-causal estimates at S = 4096 and 8192 (2 heads); the backward keeps the
+  generation's blocks."""
+  fwd = []
+  for bq, bkv in HEAD_DIM_CANDIDATES:
+    if deadline and time.time() > deadline:
+      break
+    blocks = att.BlockSizes(bq, bkv, 512, 512)
+    score = {}
+    try:
+      for seq in HEAD_DIM_SEQS:
+        for causal in (False, True):
+          score[f"{'causal' if causal else 'non_causal'}_S{seq}"] = _estimate(gen, seq, FWD_HEADS, blocks, False,
+                                                                             causal, head_dim)
+    except (RuntimeError, KernelError) as e:
+      print(f"  {gen} D={head_dim} fwd {(bq, bkv)} failed: {str(e)[:200]}", flush=True)
+      continue
+    prod = 1.0
+    for r in score.values():
+      prod *= r["us"]
+    fwd.append(({"block_q": bq, "block_kv": bkv}, {"us": round(prod ** (1 / len(score)), 2), **score}))
+  if not fwd:
+    return None
+  best, best_est = _pick(fwd, ("block_q", "block_kv"))
+  return {**best, "forward_problem": {"batch": 1, "heads": FWD_HEADS, "head_dim": head_dim,
+                                      "seq": list(HEAD_DIM_SEQS), "causal": "both (geometric mean over causal, "
+                                      "non-causal and the sequence lengths)", "dtype": "bfloat16"},
+          "forward": best_est, "forward_candidates": [dict(**b, **e) for b, e in fwd],
+          "kind": "compiler estimate", "tuned": datetime.date.today().isoformat()}
+
+
+def _fits(gen, blocks, backward, head_dim=HEAD_DIM):
+  p = att._Problem(b=1, h=BWD_HEADS, kvh=BWD_HEADS, sq=8192, skv=8192, d=head_dim, dtype=jnp.dtype(jnp.bfloat16),
                    layout="BHSD", causal=True, window=None, softcap=None, scale=1.0, segments=False, mask_shape=None,
                    bias_shape=None, sinks=False, dropout_rate=0.0)
   try:
@@ -161,6 +205,19 @@ def derive(table):
     while not _fits("v4", att.BlockSizes(*b), backward=True):
       b[2], b[3] = max(128, b[2] // 2), max(128, b[3] // 2)
     table["v4"] = {"bfloat16": {**dict(zip(keys, b)), "derived_from": "v5p, shrunk to fit 16 MiB of VMEM"}}
+  # the head_dim entries: v5p takes v5e's, v4 v5p's shrunk to fit
+  for gen, src_gen in (("v5p", "v5e"), ("v4", "v5p")):
+    dst = table.get(gen, {}).get("bfloat16")
+    by_d = table.get(src_gen, {}).get("bfloat16", {}).get("by_head_dim", {})
+    if not dst or "derived_from" not in dst or not by_d:
+      continue
+    dst["by_head_dim"] = {}
+    for d, e in by_d.items():
+      b = [e["block_q"], e["block_kv"], dst["block_q_bwd"], dst["block_kv_bwd"]]
+      while gen == "v4" and not _fits("v4", att.BlockSizes(*b), backward=False, head_dim=int(d)):
+        b[0], b[1] = max(128, b[0] // 2), max(128, b[1] // 2)
+      dst["by_head_dim"][d] = {"block_q": b[0], "block_kv": b[1],
+                               "derived_from": f"{src_gen}{', shrunk to fit 16 MiB of VMEM' if gen == 'v4' else ''}"}
 
 
 def main():
@@ -168,8 +225,27 @@ def main():
   ap.add_argument("--generations", nargs="+", default=["v5e", "v6e"])
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--forward-only", action="store_true", help="retune the forward blocks, keep the backward's")
+  ap.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                  help="tune the forward blocks of this head_dim (64, 256) into the generation's by_head_dim")
+  ap.add_argument("--minutes", type=float, default=0, help="start no candidate after this many minutes")
   args = ap.parse_args()
   table = result_tables.load(OUT).get("defaults", {})
+  if args.head_dim != HEAD_DIM:
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    for gen in args.generations:
+      by_d = table[gen]["bfloat16"].setdefault("by_head_dim", {})
+      if str(args.head_dim) in by_d and not args.force:
+        print(f"{gen} D={args.head_dim}: already tuned (--force to redo)")
+        continue
+      entry = tune_head_dim(gen, args.head_dim, deadline)
+      if entry is None:
+        continue
+      by_d[str(args.head_dim)] = entry
+      by_d = dict(sorted(by_d.items(), key=lambda kv: int(kv[0])))
+      table[gen]["bfloat16"]["by_head_dim"] = by_d
+      derive(table)
+      _save(table)
+    return
   for gen in args.generations:
     if gen in table and "derived_from" not in table[gen].get("bfloat16", {}) and not args.force:
       print(f"{gen}: already tuned (--force to redo)")
@@ -180,17 +256,24 @@ def main():
       if g != gen and "derived_from" in table.get(g, {}).get("bfloat16", {}):
         del table[g]
     derive(table)
-    data = {
-        "description": "Default BlockSizes of kernels.attention per TPU generation (bfloat16; float32 with "
-                       "head_dim > 128 halves them). Chosen by tools/tune_attention.py from compiler estimates "
-                       "(libtpu's static cost model via kernels.estimate_tpu) of the forward and forward + "
-                       "backward at the problem stated in each entry: estimates, not measurements.",
-        "generated_by": "tools/tune_attention.py",
-        "environment": {"jax": jax.__version__, "python": platform.python_version()},
-        "defaults": dict(sorted(table.items())),
-    }
-    result_tables.save(data, OUT)
-    print(f"wrote {OUT}", flush=True)
+    _save(table)
+
+
+def _save(table):
+  data = {
+      "description": "Default BlockSizes of kernels.attention per TPU generation (bfloat16; float32 with "
+                     "head_dim > 128 halves them), tuned at head_dim 128; an entry's by_head_dim (64, 256) "
+                     "overrides its forward blocks for those head dims. Chosen by tools/tune_attention.py from "
+                     "compiler estimates (libtpu's static cost model via kernels.estimate_tpu) of the forward "
+                     "and forward + backward at the problem stated in each entry: estimates, not measurements. "
+                     "us is the floored compiler estimate: the cost model's time (model_us), never less than the "
+                     "program's counted HBM bytes at the published bandwidth (floor_us).",
+      "generated_by": "tools/tune_attention.py",
+      "environment": {"jax": jax.__version__, "python": platform.python_version()},
+      "defaults": dict(sorted(table.items())),
+  }
+  result_tables.save(data, OUT)
+  print(f"wrote {OUT}", flush=True)
 
 
 if __name__ == "__main__":
