@@ -319,7 +319,7 @@ def test_two_cores_share_the_parallel_grid(kind, n_rows, rows, hidden):
   assert ipc.races is not None and not ipc.races.races_found
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=10, deadline=None, derandomize=True)  # fixed examples: CI must not flake
 @given(rows=st.integers(1, 70), hidden=st.integers(1, 300), kind=st.sampled_from(KINDS), bf16=st.booleans(),
        residual=st.booleans(), block=st.sampled_from([8, 16, 32, None]), loc=st.sampled_from([0.0, 3.0, -100.0]))
 def test_hypothesis_shapes(rows, hidden, kind, bf16, residual, block, loc):
