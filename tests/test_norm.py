@@ -7,7 +7,9 @@ last block.
 Tolerances (|out - expected| <= ATOL + RTOL * |expected|; outputs are O(1)):
 
 * float32: f32 statistics summed in a different order than the oracle's float64:
-  1e-5 absolute and relative (observed ~1e-6).
+  1e-5 absolute and relative (observed ~1e-6). In the hypothesis test, an ill-conditioned row
+  (a large offset, or a spread far below sqrt(eps)) also gets a few f32 ulps of its largest
+  entry times its 1/sqrt(var + eps): the f32 input itself carries that much error.
 * bfloat16 out: one rounding of the f32 result (half an ulp = 2^-9 relative); kernel
   and reference may round a value on a boundary differently, so one ulp, 2^-7
   relative, and 2e-2 absolute near zero.
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
@@ -319,7 +321,8 @@ def test_two_cores_share_the_parallel_grid(kind, n_rows, rows, hidden):
   assert ipc.races is not None and not ipc.races.races_found
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)  # fixed examples: CI must not flake
+@settings(max_examples=10, deadline=None, derandomize=True)  # fixed draws: CI must not flake
+@example(rows=13, hidden=2, kind="layer", bf16=False, residual=False, block=8, loc=0.0)  # rstd ~ 1/sqrt(eps)
 @given(rows=st.integers(1, 70), hidden=st.integers(1, 300), kind=st.sampled_from(KINDS), bf16=st.booleans(),
        residual=st.booleans(), block=st.sampled_from([8, 16, 32, None]), loc=st.sampled_from([0.0, 3.0, -100.0]))
 def test_hypothesis_shapes(rows, hidden, kind, bf16, residual, block, loc):
@@ -332,10 +335,16 @@ def test_hypothesis_shapes(rows, hidden, kind, bf16, residual, block, loc):
   if residual:
     out, out_h = out
     np.testing.assert_array_equal(f64(out_h), h)
-  # f32 holds x to ~6e-8 * |loc|: an offset costs digits in (x - mean) before the kernel sees it.
+  # The kernel works in f32, and f32 holds each h to half an ulp of |h|: (h - mean) inherits an error
+  # of a few ulps of max|h|, which 1/sqrt(var + eps) then amplifies. A row with a large offset
+  # (loc) or a tiny spread (hidden = 2, two near-equal entries: rstd ~ 1/sqrt(eps)) is
+  # ill-conditioned; allow 8 f32 ulps of max|h| times that row's rstd and the largest |scale|.
+  centred = h - h.mean(-1, keepdims=True) if kind == "layer" else h
+  rstd = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-6)
+  cond = 8 * 2.0 ** -24 * np.abs(h).max(-1, keepdims=True) * rstd * np.abs(f64(scale)).max()
   tol = dict(TOL[jnp.dtype(dtype).name])
-  tol["atol"] += 1e-6 * abs(loc)
-  np.testing.assert_allclose(f64(out), want, **tol)
+  err = np.abs(f64(out) - want) - (tol["atol"] + cond + tol["rtol"] * np.abs(want))
+  assert err.max() <= 0, f"worst excess {err.max():.2e} at {np.unravel_index(err.argmax(), err.shape)}"
 
 
 def test_xla_implementation_is_the_reference():
