@@ -1,19 +1,26 @@
-"""Child process for :mod:`kernels.tpu`: compiles (or estimates) an exported program.
+"""Child process for :mod:`kernels.tpu`: compiles (or estimates) exported programs.
 
-Usage: ``python -m kernels._compile_worker FILE GENERATION [compile|estimate]``;
-prints one JSON line. ``compile`` runs without the static profiler (TPU v4, which
-the profiler cannot model); ``estimate`` runs with it and also returns the cost
-profile, so a profiler crash ends this process, not the caller's.
+Usage: ``python -m kernels._compile_worker FILE GENERATION [compile|estimate]`` compiles
+one program and prints one JSON line; ``python -m kernels._compile_worker --serve``
+compiles without the profiler, one program per line of stdin (``FILE GENERATION``),
+answering each with one JSON line, until stdin closes.
+
+``compile`` runs without the static profiler (TPU v4, which the profiler cannot model,
+and compiles that want only the HLO and memory); ``estimate`` runs with it and also
+returns the cost profile, so a profiler crash ends this process, not the caller's. A
+serving worker saves the start-up (Python, JAX, libtpu: seconds) that a process per
+compile would pay every time.
 """
 import json
 import os
 import sys
 
-MODE = sys.argv[3] if len(sys.argv) > 3 else "compile"
+SERVE = sys.argv[1:2] == ["--serve"]
+MODE = "compile" if SERVE else (sys.argv[3] if len(sys.argv) > 3 else "compile")
 os.environ["KERNELS_STATIC_PROFILE"] = "1" if MODE == "estimate" else "0"
 
 
-def main(path: str, generation: str) -> None:
+def compile_one(path: str, generation: str) -> dict:
   import jax
   from jax import export
 
@@ -25,14 +32,27 @@ def main(path: str, generation: str) -> None:
   try:
     comp = tpu.compile_for_tpu(exp.call, *args, generation=generation, **kwargs)
   except CompileError as e:
-    print(json.dumps({"ok": False, "message": str(e).split(": ", 1)[-1].replace(f"TPU {generation} compile failed: ", ""),
-                      "kind": getattr(e, "kind", "xla"), "details": e.details}))
-    return
+    return {"ok": False, "message": str(e).split(": ", 1)[-1].replace(f"TPU {generation} compile failed: ", ""),
+            "kind": getattr(e, "kind", "xla"), "details": e.details}
   out = {"ok": True, "hlo": comp.hlo, "vmem_bytes": comp.vmem_bytes, "memory": comp.memory}
   if MODE == "estimate":
     out["ops"] = tpu._profiles.get(tpu._profile_key(generation, comp.hlo), {})
-  print(json.dumps(out))
+  return out
+
+
+def serve() -> None:
+  for line in sys.stdin:
+    path, generation = line.split()
+    try:
+      out = compile_one(path, generation)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+      out = {"ok": None, "message": f"{type(e).__name__}: {e}"}
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])
+  if SERVE:
+    serve()
+  else:
+    print(json.dumps(compile_one(sys.argv[1], sys.argv[2])))

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -179,6 +180,61 @@ def _readable(e: Exception, generation: str) -> CompileError:
 PROFILED_GENERATIONS = ("v5e", "v5p", "v6e")
 
 
+class _Worker:
+  """One long-lived child process that compiles exported programs without the profiler.
+
+  Started on first use and restarted after ``RECYCLE`` compiles (JAX's caches grow with
+  every program) or if it dies; its stdin closing (this process exiting) ends it.
+  """
+
+  RECYCLE = 40
+
+  def __init__(self):
+    self._proc = None
+    self._served = 0
+    self._lock = threading.Lock()
+
+  def _start(self):
+    import subprocess
+    import sys
+    env = dict(os.environ, KERNELS_STATIC_PROFILE="0", JAX_PLATFORMS="cpu")
+    self._stderr = tempfile.TemporaryFile(mode="w+")
+    self._proc = subprocess.Popen([sys.executable, "-m", "kernels._compile_worker", "--serve"], env=env, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+    self._served = 0
+
+  def _stop(self):
+    if self._proc is not None:
+      self._proc.stdin.close()
+      self._proc.wait()
+      self._proc = None
+
+  def request(self, path: str, generation: str) -> dict:
+    with self._lock:
+      if self._proc is None or self._proc.poll() is not None or self._served >= self.RECYCLE:
+        self._stop()
+        self._start()
+      self._served += 1
+      try:
+        self._proc.stdin.write(f"{path} {generation}\n")
+        self._proc.stdin.flush()
+        while True:
+          line = self._proc.stdout.readline()
+          if not line or line.startswith("{"):
+            break
+      except BrokenPipeError:
+        line = ""
+      if not line:  # it died: report its last words and start afresh next time
+        code = self._proc.wait()
+        self._stderr.seek(0)
+        self._proc = None
+        raise RuntimeError(f"TPU {generation} compile worker died (exit {code}): {self._stderr.read()[-2000:]}")
+      return json.loads(line)
+
+
+_compile_worker = _Worker()
+
+
 def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile") -> TpuCompilation:
   """Exports the program for TPU here, then compiles it in a child process: without the
   profiler (``mode="compile"``), or with it (``"estimate"``; the profile lands in ``_profiles``)."""
@@ -196,19 +252,22 @@ def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile") -> TpuCompila
       raise _readable(e, chip.name) from e
   with tempfile.NamedTemporaryFile(suffix=".jaxexport", delete=False) as fh:
     fh.write(blob)
-  env = dict(os.environ, KERNELS_STATIC_PROFILE="1" if mode == "estimate" else "0", JAX_PLATFORMS="cpu")
   try:
-    proc = subprocess.run([sys.executable, "-m", "kernels._compile_worker", fh.name, chip.name, mode],
-                          capture_output=True, text=True, env=env, timeout=3600)
+    if mode == "compile":
+      out = _compile_worker.request(fh.name, chip.name)
+    else:  # the profiler may abort its process: one process per estimate
+      env = dict(os.environ, KERNELS_STATIC_PROFILE="1", JAX_PLATFORMS="cpu")
+      proc = subprocess.run([sys.executable, "-m", "kernels._compile_worker", fh.name, chip.name, mode],
+                            capture_output=True, text=True, env=env, timeout=3600)
+      lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+      if not lines:
+        raise RuntimeError(f"TPU {chip.name} static cost model failed in its child process "
+                           f"(exit {proc.returncode}): {proc.stderr[-2000:]}")
+      out = json.loads(lines[-1])
   finally:
     os.remove(fh.name)
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-  if not lines:
-    what = "static cost model" if mode == "estimate" else "compile worker"
-    raise RuntimeError(f"TPU {chip.name} {what} failed in its child process (exit {proc.returncode}): "
-                       f"{proc.stderr[-2000:]}")
-  import json
-  out = json.loads(lines[-1])
+  if out["ok"] is None:
+    raise RuntimeError(f"TPU {chip.name} compile worker: {out['message']}")
   if not out["ok"]:
     err = CompileError(out["message"], generation=chip.name, details=out.get("details", ""))
     err.kind = out.get("kind", "xla")
