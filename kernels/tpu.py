@@ -183,11 +183,20 @@ PROFILED_GENERATIONS = ("v5e", "v5p", "v6e")
 class _Worker:
   """One long-lived child process that compiles exported programs without the profiler.
 
-  Started on first use and restarted after ``RECYCLE`` compiles (JAX's caches grow with
-  every program) or if it dies; its stdin closing (this process exiting) ends it.
+  Started on first use and restarted after ``RECYCLE`` compiles or past ``MAX_RSS`` bytes
+  (JAX's caches grow with every program; CI machines have little memory to spare) or if
+  it dies; its stdin closing (this process exiting) ends it.
   """
 
   RECYCLE = 40
+  MAX_RSS = 3 << 30
+
+  def _rss(self) -> int:
+    try:
+      with open(f"/proc/{self._proc.pid}/status") as fh:
+        return next(int(ln.split()[1]) << 10 for ln in fh if ln.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+      return 0
 
   def __init__(self):
     self._proc = None
@@ -211,7 +220,8 @@ class _Worker:
 
   def request(self, path: str, generation: str) -> dict:
     with self._lock:
-      if self._proc is None or self._proc.poll() is not None or self._served >= self.RECYCLE:
+      if (self._proc is None or self._proc.poll() is not None or self._served >= self.RECYCLE
+          or self._rss() > self.MAX_RSS):
         self._stop()
         self._start()
       self._served += 1

@@ -35,6 +35,20 @@ def test_compile_without_profile_gives_the_same_program_and_memory():
   assert "tpu_custom_call" in plain.hlo and plain.memory == full.memory and plain.vmem_bytes == full.vmem_bytes
 
 
+def test_child_compiles_share_one_worker_that_restarts_when_it_dies():
+  """Compiles without the profiler reuse one child process (no start-up per compile); a dead one is replaced."""
+  worker = kernels.tpu._compile_worker
+  args = (sds(256, 256), sds(256, 256))
+  kernels.compile_for_tpu(toy.matmul, *args, generation="v4", bm=128, bk=128, bn=128)
+  pid = worker._proc.pid
+  comp = kernels.compile_for_tpu(toy.matmul, *args, generation="v4", bm=256, bk=128, bn=128)
+  assert worker._proc.pid == pid and "tpu_custom_call" in comp.hlo
+  worker._proc.kill()
+  worker._proc.wait()
+  comp = kernels.compile_for_tpu(toy.matmul, *args, generation="v4", bm=128, bk=256, bn=128)
+  assert worker._proc.pid != pid and "tpu_custom_call" in comp.hlo
+
+
 def test_bad_tiling_is_a_kernel_error():
   with pytest.raises(kernels.CompileError) as info:
     kernels.compile_for_tpu(toy.matmul, sds(1024, 1024), sds(1024, 1024), bm=100)
