@@ -37,6 +37,8 @@ _STYLES = {
     "MaxText": ("#EE3377", "x", ("maxtext rope",)),
     "DFT matmul (FNet)": ("#D55E00", "8", ("dft matmul", "fnet", "dense dft")),
     "two-stage plain JAX": ("#88CCEE", "H", ("two stage jax", "plain jax two stage", "four step jax")),
+    "ours (Winograd)": ("#661100", "$W$", ("our winograd", "winograd kernel")),
+    "plain-JAX Winograd": ("#6699CC", "$w$", ("jax winograd", "plain jax winograd")),
     "roofline": ("#000000", None, ()),
     "HBM floor": ("#777777", None, ("copy", "hbm copy")),
 }

@@ -19,7 +19,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.m
 # Every implementation the issue names, today's and the coming peers.
 NAMES = ["ours", "XLA", "JAX flash_attention", "splash", "JAX Pallas matmul", "lax.scan", "lax.associative_scan",
          "Griffin (recurrentgemma)", "plain-JAX chunked SSD", "megablox gmm", "ragged_dot", "dense capacity einsum",
-         "tokamax", "MaxText", "DFT matmul (FNet)", "two-stage plain JAX", "roofline", "HBM floor"]
+         "tokamax", "MaxText", "DFT matmul (FNet)", "two-stage plain JAX", "ours (Winograd)", "plain-JAX Winograd", "roofline", "HBM floor"]
 
 
 @pytest.fixture(autouse=True)
