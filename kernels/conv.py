@@ -297,11 +297,31 @@ def _round_blocks(total: int, want: int, multiple: int = 128) -> int:
   return max(multiple, want // multiple * multiple)
 
 
-def _tap(xf_ref, dy, dx, rows, cols, sh, sw):
+def _stage(x_ref, xf_ref, c: int):
+  """Casts the input block ``[rows, wp, c]`` to the f32 scratch ``[ceil(c / 128), rows, wp, 128]``:
+  Mosaic's strided loads need a 128-lane base memref, so channels go in 128-lane groups."""
+  for g in range(xf_ref.shape[0]):
+    lanes = min(128, c - 128 * g)
+    if lanes == 128:
+      xf_ref[g] = x_ref[0, :, :, 128 * g:128 * (g + 1)].astype(jnp.float32)
+    else:
+      xf_ref[g, :, :, :lanes] = x_ref[0, :, :, 128 * g:128 * g + lanes].astype(jnp.float32)
+
+
+def _window(xf_ref, r, q, c: int):
+  """``[rows, cols, c]`` of the staged block at the row/column indexers ``r``, ``q``."""
+  parts = [xf_ref[pl.ds(g, 1), r, q, :][0] for g in range(xf_ref.shape[0])]  # (ds: interpret mode)
+  last = c - 128 * (len(parts) - 1)
+  if last < 128:
+    parts[-1] = parts[-1][..., :last]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def _tap(xf_ref, dy, dx, rows, cols, sh, sw, c):
   """The ``[rows, cols, c]`` f32 window of tap ``(dy, dx)`` at the strides."""
   r = pl.ds(dy, rows, stride=sh) if sh > 1 else pl.ds(dy, rows)
   q = pl.ds(dx, cols, stride=sw) if sw > 1 else pl.ds(dx, cols)
-  return xf_ref[r, q, :]
+  return _window(xf_ref, r, q, c)
 
 
 def _direct_kernel(x_ref, w_ref, b_ref, o_ref, acc_ref, xf_ref, *, kh, kw, sh, sw, bh, wo_p, nk, activation,
@@ -312,12 +332,12 @@ def _direct_kernel(x_ref, w_ref, b_ref, o_ref, acc_ref, xf_ref, *, kh, kw, sh, s
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  xf_ref[...] = x_ref[0].astype(jnp.float32)
-  c = xf_ref.shape[-1]
+  c = x_ref.shape[-1]
+  _stage(x_ref, xf_ref, c)
   part = None
   for dy in range(kh):
     for dx in range(kw):
-      lhs = _tap(xf_ref, dy, dx, bh, wo_p, sh, sw).reshape(bh * wo_p, c).astype(cdt)
+      lhs = _tap(xf_ref, dy, dx, bh, wo_p, sh, sw, c).reshape(bh * wo_p, c).astype(cdt)
       p = jnp.dot(lhs, w_ref[dy, dx].astype(cdt), preferred_element_type=jnp.float32, precision=precision)
       part = p if part is None else part + p
   acc_ref[...] += part
@@ -378,7 +398,8 @@ def _pad_input(x, c: _Conv, p: _Plan):
 def _vmem(p: _Plan, x_dtype, w_taps, out_dtype, m_rows, acc_slots=1) -> int:
   blocks = [((p.rows_in, p.wp, p.bc), x_dtype), ((w_taps, p.bc, p.bco), x_dtype), ((1, p.bco), jnp.float32),
             ((m_rows, p.bco), out_dtype)]
-  scratch = [((acc_slots * m_rows, p.bco), jnp.float32), ((p.rows_in, p.wp, p.bc), jnp.float32)]
+  scratch = [((acc_slots * m_rows, p.bco), jnp.float32),
+             ((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32)]
   temps = 3 * tiling.block_bytes((m_rows, max(p.bc, p.bco)), jnp.float32)
   return tiling.vmem_footprint(blocks, scratch) + temps
 
@@ -400,7 +421,7 @@ def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, preci
   grid = (c.n, p.ho_p // p.bh, p.cout_p // p.bco, nk)
   m_rows = p.bh * p.wo_p
   x_spec = pl.BlockSpec((pl.Element(1), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
-                        lambda n, i, j, k: (n, i * p.bh * sh, 0, k * p.bc))
+                        lambda n, i, j, k: (n, i * p.bh * sh, 0, k * p.bc if nk > 1 else 0))
   w_spec = pl.BlockSpec((c.kh, c.kw, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
   o_spec = pl.BlockSpec((1, p.bh, p.wo_p, p.bco), lambda n, i, j, k: (n, i, 0, j))
@@ -414,7 +435,8 @@ def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, preci
   out = pl.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
       out_shape=jax.ShapeDtypeStruct((c.n, p.ho_p, p.wo_p, p.cout_p), out_dtype),
-      scratch_shapes=[pltpu.VMEM((m_rows, p.bco), jnp.float32), pltpu.VMEM((p.rows_in, p.wp, p.bc), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((m_rows, p.bco), jnp.float32),
+                      pltpu.VMEM((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=limit),
       interpret=interpret, name="conv2d_direct",
@@ -450,11 +472,11 @@ def _winograd_kernel(x_ref, u_ref, b_ref, o_ref, acc_ref, xf_ref, y_ref, *, m, b
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  xf_ref[...] = x_ref[0].astype(jnp.float32)  # [bh + 2, wp, c]
-  c = xf_ref.shape[-1]
+  c = x_ref.shape[-1]
+  _stage(x_ref, xf_ref, c)
   rows = bh + 2
   # Column j of every tile (stride-m f32 loads): [rows, wt, c].
-  cols = [xf_ref[:, pl.ds(j, wt, stride=m), :] for j in range(t)]
+  cols = [_window(xf_ref, pl.ds(0, rows), pl.ds(j, wt, stride=m), c) for j in range(t)]
   for b in range(t):
     tb = _lincomb(bt[b], cols)  # (d B)[:, b] for every tile column, all rows
     # Row i of every tile: rows i, i + m, ... (a leading-dim regroup).
@@ -474,8 +496,14 @@ def _winograd_kernel(x_ref, u_ref, b_ref, o_ref, acc_ref, xf_ref, y_ref, *, m, b
       z = [_lincomb(at[uu], [mm[a][b] for a in range(t)]) for b in range(t)]
       for vv in range(m):
         y = apply_activation(_lincomb(at[vv], z) + bias, activation)
-        y_ref[pl.ds(uu, pt, stride=m), pl.ds(vv, wt, stride=m), :] = y.reshape(pt, wt, y.shape[-1])
-    o_ref[0] = y_ref[...].astype(o_ref.dtype)
+        co = y.shape[-1]
+        if co % 128:
+          y = jnp.concatenate([y, jnp.zeros((y.shape[0], 128 - co % 128), y.dtype)], axis=-1)
+        y = y.reshape(pt, wt, y.shape[-1])
+        for g in range(y_ref.shape[0]):  # strided stores into 128-lane groups (see _stage)
+          y_ref[pl.ds(g, 1), pl.ds(uu, pt, stride=m), pl.ds(vv, wt, stride=m), :] = y[None, ..., 128 * g:128 * (g + 1)]
+    co = o_ref.shape[-1]
+    o_ref[0] = _window(y_ref, pl.ds(0, bh), pl.ds(0, y_ref.shape[2]), co).astype(o_ref.dtype)
 
 
 def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dtype, precision, interpret):
@@ -492,7 +520,7 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
   pt = p.bh // m
   grid = (c.n, p.ho_p // p.bh, p.cout_p // p.bco, nk)
   x_spec = pl.BlockSpec((pl.Element(1), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
-                        lambda n, i, j, k: (n, i * p.bh, 0, k * p.bc))
+                        lambda n, i, j, k: (n, i * p.bh, 0, k * p.bc if nk > 1 else 0))
   u_spec = pl.BlockSpec((t, t, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
   o_spec = pl.BlockSpec((1, p.bh, p.wo_p, p.bco), lambda n, i, j, k: (n, i, 0, j))
@@ -509,8 +537,8 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
       kernel, grid=grid, in_specs=[x_spec, u_spec, b_spec], out_specs=o_spec,
       out_shape=jax.ShapeDtypeStruct((c.n, p.ho_p, p.wo_p, p.cout_p), out_dtype),
       scratch_shapes=[pltpu.VMEM((t * t, pt * wt, p.bco), jnp.float32),
-                      pltpu.VMEM((p.rows_in, p.wp, p.bc), jnp.float32),
-                      pltpu.VMEM((p.bh, p.wo_p, p.bco), jnp.float32)],
+                      pltpu.VMEM((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32),
+                      pltpu.VMEM((tiling.cdiv(p.bco, 128), p.bh, p.wo_p, 128), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=limit),
       interpret=interpret, name=f"conv2d_winograd_f{m}",
