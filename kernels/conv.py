@@ -334,13 +334,14 @@ def _direct_kernel(x_ref, w_ref, b_ref, o_ref, acc_ref, xf_ref, *, kh, kw, sh, s
 
   c = x_ref.shape[-1]
   _stage(x_ref, xf_ref, c)
-  part = None
-  for dy in range(kh):
+
+  def row(dy, part):  # a loop over the kernel rows keeps the unrolled body (and its compile) small
     for dx in range(kw):
       lhs = _tap(xf_ref, dy, dx, bh, wo_p, sh, sw, c).reshape(bh * wo_p, c).astype(cdt)
-      p = jnp.dot(lhs, w_ref[dy, dx].astype(cdt), preferred_element_type=jnp.float32, precision=precision)
-      part = p if part is None else part + p
-  acc_ref[...] += part
+      part = part + jnp.dot(lhs, w_ref[dy, dx].astype(cdt), preferred_element_type=jnp.float32,
+                            precision=precision)
+    return part
+  acc_ref[...] += lax.fori_loop(0, kh, row, jnp.zeros(acc_ref.shape, jnp.float32))
 
   @pl.when(k == nk - 1)
   def _():
