@@ -335,7 +335,7 @@ def _direct_kernel(x_ref, w_ref, b_ref, o_ref, acc_ref, xf_ref, *, kh, kw, sh, s
   c = x_ref.shape[-1]
   _stage(x_ref, xf_ref, c)
 
-  def row(dy, part):  # a loop over the kernel rows keeps the unrolled body (and its compile) small
+  def row(dy, part):  # a loop over kernel rows: the fully unrolled kh*kw body made the cost model's profile blow up
     for dx in range(kw):
       lhs = _tap(xf_ref, dy, dx, bh, wo_p, sh, sw, c).reshape(bh * wo_p, c).astype(cdt)
       part = part + jnp.dot(lhs, w_ref[dy, dx].astype(cdt), preferred_element_type=jnp.float32,
@@ -712,11 +712,8 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     z = _lax_conv(x, w.astype(x.dtype), c, precision)
     return _epilogue(z, bias, activation).astype(out_dtype)
 
-  if pre:
-    return pallas(x, w, bias, interpret=interpret if interpret is not None else True) \
-        if implementation is None and interpret else dispatch(
-            "conv2d", x, w, bias, pallas=pallas, xla=lambda *a: (_ for _ in ()).throw(
-                NotImplementedError("a WinogradFilter runs on the Pallas kernel only")),
-            implementation="pallas" if implementation is None else implementation, interpret=interpret)
+  if pre:  # a transformed filter has no XLA path: the Pallas kernel (interpret mode off TPU)
+    return dispatch("conv2d", x, w, bias, pallas=pallas, xla=xla, implementation=implementation or "pallas",
+                    interpret=interpret)
   return dispatch("conv2d", x, w, bias, pallas=pallas, xla=xla, implementation=implementation,
                   interpret=interpret)
