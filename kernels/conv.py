@@ -32,8 +32,8 @@ padding, rows up to a whole number of row blocks plus the halo, columns up to th
 output width's receptive field, and channels up to a whole number of cin blocks (only when
 cin exceeds the block and does not divide). That is one extra read and write of the input
 (``2 N Hp Wp Cp`` bytes times the itemsize) unless no padding is needed. The output is
-computed at ``[N, ceil(Ho / bh) bh, round_up(Wo, 8), Cout_p]`` and sliced (one more copy when
-any of those differ from the true shape). Each input block is read once per cout block.
+computed at ``round_up(Wo, 8)`` columns in VMEM, but written at its true height and width
+(the last row block is partial); only padded output channels cost a slice copy. Each input block is read once per cout block.
 
 Winograd F(m x m, 3 x 3)
 ------------------------
@@ -346,7 +346,7 @@ def _direct_kernel(x_ref, w_ref, b_ref, o_ref, acc_ref, xf_ref, *, kh, kw, sh, s
   @pl.when(k == nk - 1)
   def _():
     y = apply_activation(acc_ref[...] + b_ref[...].astype(jnp.float32), activation)
-    o_ref[0] = y.reshape(bh, wo_p, y.shape[-1]).astype(o_ref.dtype)
+    o_ref[0] = y.reshape(bh, wo_p, y.shape[-1])[:, :o_ref.shape[2]].astype(o_ref.dtype)  # drop the padded columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,17 +425,17 @@ def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, preci
                         lambda n, i, j, k: (n, i * p.bh * sh, 0, k * p.bc if nk > 1 else 0))
   w_spec = pl.BlockSpec((c.kh, c.kw, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
-  o_spec = pl.BlockSpec((1, p.bh, p.wo_p, p.bco), lambda n, i, j, k: (n, i, 0, j))
+  o_spec = pl.BlockSpec((1, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
   chip = target_chip() or get_chip("v5e")
   limit = tiling.vmem_limit(_vmem(p, x.dtype, c.kh * c.kw, out_dtype, m_rows), chip)
   kernel = functools.partial(_direct_kernel, kh=c.kh, kw=c.kw, sh=sh, sw=sw, bh=p.bh, wo_p=p.wo_p, nk=nk,
                              activation=activation, cdt=_cdt(x.dtype, precision), precision=precision)
   flops = 2 * c.n * p.ho_p * p.wo_p * p.cin_p * p.cout_p * c.kh * c.kw
   bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + wq.size * wq.dtype.itemsize * grid[0] * grid[1]
-            + c.n * p.ho_p * p.wo_p * p.cout_p * jnp.dtype(out_dtype).itemsize)
+            + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
   out = pl.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
-      out_shape=jax.ShapeDtypeStruct((c.n, p.ho_p, p.wo_p, p.cout_p), out_dtype),
+      out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
       scratch_shapes=[pltpu.VMEM((m_rows, p.bco), jnp.float32),
                       pltpu.VMEM((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
@@ -504,7 +504,7 @@ def _winograd_kernel(x_ref, u_ref, b_ref, o_ref, acc_ref, xf_ref, y_ref, *, m, b
         for g in range(y_ref.shape[0]):  # strided stores into 128-lane groups (see _stage)
           y_ref[pl.ds(g, 1), pl.ds(uu, pt, stride=m), pl.ds(vv, wt, stride=m), :] = y[None, ..., 128 * g:128 * (g + 1)]
     co = o_ref.shape[-1]
-    o_ref[0] = _window(y_ref, pl.ds(0, bh), pl.ds(0, y_ref.shape[2]), co).astype(o_ref.dtype)
+    o_ref[0] = _window(y_ref, pl.ds(0, bh), pl.ds(0, o_ref.shape[2]), co).astype(o_ref.dtype)
 
 
 def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dtype, precision, interpret):
@@ -524,7 +524,7 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
                         lambda n, i, j, k: (n, i * p.bh, 0, k * p.bc if nk > 1 else 0))
   u_spec = pl.BlockSpec((t, t, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
-  o_spec = pl.BlockSpec((1, p.bh, p.wo_p, p.bco), lambda n, i, j, k: (n, i, 0, j))
+  o_spec = pl.BlockSpec((1, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
   chip = target_chip() or get_chip("v5e")
   need = _vmem(p, x.dtype, t * t, out_dtype, pt * wt, acc_slots=t * t) + tiling.block_bytes(
       (p.bh, p.wo_p, p.bco), jnp.float32) + 2 * t * tiling.block_bytes((p.rows_in, wt, max(p.bc, p.bco)), jnp.float32)
@@ -533,10 +533,10 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
                              cdt=_cdt(x.dtype, precision), precision=precision)
   flops = 2 * c.n * pt * (p.ho_p // p.bh) * wt * t * t * p.cin_p * p.cout_p
   bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + uq.size * uq.dtype.itemsize * grid[0] * grid[1]
-            + c.n * p.ho_p * p.wo_p * p.cout_p * jnp.dtype(out_dtype).itemsize)
+            + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
   out = pl.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, u_spec, b_spec], out_specs=o_spec,
-      out_shape=jax.ShapeDtypeStruct((c.n, p.ho_p, p.wo_p, p.cout_p), out_dtype),
+      out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
       scratch_shapes=[pltpu.VMEM((t * t, pt * wt, p.bco), jnp.float32),
                       pltpu.VMEM((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32),
                       pltpu.VMEM((tiling.cdiv(p.bco, 128), p.bh, p.wo_p, 128), jnp.float32)],
