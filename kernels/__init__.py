@@ -18,6 +18,8 @@ from kernels.ssd import (BlockSizes as SsdBlockSizes, gated_linear_attention, ga
 from kernels.parallel_scan import parallel_scan, parallel_scan_reference  # (the names shadow the module: see it)
 from kernels.gmm import GmmBlockSizes, gmm, gmm_reference, tgmm, tgmm_reference
 from kernels.moe import Routing, expert_capacity, moe, moe_reference, route
+from kernels.conv import (BlockSizes as ConvBlockSizes, WinogradFilter, conv2d, conv2d_reference,
+                          winograd_filter_transform)
 from kernels.fft import fft, fft2, fft_conv, fft_conv_reference, ifft, ifft2, irfft, irfft2, rfft, rfft2
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
@@ -37,6 +39,7 @@ __all__ = [
     "parallel_scan", "parallel_scan_reference",
     "GmmBlockSizes", "gmm", "gmm_reference", "tgmm", "tgmm_reference",
     "Routing", "expert_capacity", "moe", "moe_reference", "route",
+    "ConvBlockSizes", "WinogradFilter", "conv2d", "conv2d_reference", "winograd_filter_transform",
     "fft", "fft2", "fft_conv", "fft_conv_reference", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",

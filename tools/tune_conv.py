@@ -1,0 +1,222 @@
+"""Benchmarks kernels.conv against XLA and plain-JAX Winograd with the TPU compiler's cost model.
+
+Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost
+model), never a measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is the
+floored estimate (the model's time, but never less than the program's counted HBM bytes at
+the published bandwidth). ``complete`` is False when the model charged real work 0 cycles
+(``unmodeled``; it does so for some XLA convolution fusions): such an estimate is a lower
+bound and is never counted as a win or a loss.
+
+* ``bench`` -> ``kernels/data/conv_bench.json``: at the ResNet shapes of issue 20 (N=32:
+  56x56x256->256, 28x28x512->512, 14x14x1024->1024; N=8: 224x224x64->64; 3x3, stride 1,
+  SAME, bf16), on v5e and v6e, forward (and ``--modes fwdbwd``: forward + backward):
+  ``xla`` (``lax.conv_general_dilated``), ``jax_f2`` / ``jax_f4`` (Winograd F(2x2,3x3) /
+  F(4x4,3x3) in plain JAX, :func:`winograd_jax`), ``direct`` and ``winograd_f2`` /
+  ``winograd_f4`` (our kernels at their default blocks). The roofline is the direct
+  convolution's FLOPs (``2 N H W 9 Cin Cout``) against the compulsory bytes (x, w, y once):
+  a Winograd "fraction of roofline" above 1 is expected (it does fewer multiplies), so its
+  ``valid`` flag (which assumes the direct FLOPs) is not a verdict on it.
+* ``tune`` -> ``kernels/data/conv_blocks.json``: a small sweep of the direct kernel's blocks
+  (channels per block x GEMM rows per step) at one shape per generation.
+
+The cost model's profile of our kernels at N=32 grew past 9 GB of memory on the 24 GB build
+host (the direct kernel at 28x28x512), so ``--batch`` runs every program of a comparison at a
+smaller batch; the record's key and ``shape`` say which.
+
+Run each part under the shared lock, split by generation and shape (each < 10 minutes)::
+
+  flock /tmp/tpu-heavy.lock nice -n 10 python tools/tune_conv.py bench --generations v5e --shapes 28x28x512 --batch 4
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import results as result_tables  # noqa: E402
+import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+C = importlib.import_module("kernels.conv")  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
+BENCH_OUT = os.path.join(DATA, "conv_bench.json")
+BLOCKS_OUT = os.path.join(DATA, "conv_blocks.json")
+
+SHAPES = {"56x56x256": (32, 56, 256), "28x28x512": (32, 28, 512), "14x14x1024": (32, 14, 1024),
+          "224x224x64": (8, 224, 64)}
+GENERATIONS = ("v5e", "v6e")
+IMPLS = ("xla", "jax_f2", "jax_f4", "direct", "winograd_f2", "winograd_f4")
+KERNEL_VERSION = 1
+
+
+def winograd_jax(x, w, tile_size: int):
+  """Winograd F(m x m, 3 x 3), 3x3 stride 1 SAME, in plain JAX: tiles gathered by strided
+  slices, transforms as einsums in f32, the ``(m + 2)^2`` GEMMs in ``x``'s dtype with f32
+  accumulation. XLA materialises the transformed tiles in HBM."""
+  m, t = tile_size, tile_size + 2
+  bt, g, at = (jnp.asarray(a, jnp.float32) for a in C.winograd_matrices(m))
+  n, h, wd, c = x.shape
+  ht, wt = -(-h // m), -(-wd // m)
+  xp = jnp.pad(x, ((0, 0), (1, ht * m + 1 - h), (1, wt * m + 1 - wd), (0, 0)))
+  d = jnp.stack([jnp.stack([xp[:, i:i + m * ht:m, j:j + m * wt:m, :] for j in range(t)]) for i in range(t)])
+  v = jnp.einsum("ai,bj,ijnpqc->abnpqc", bt, bt, d.astype(jnp.float32)).astype(x.dtype)
+  u = jnp.einsum("ai,ijco,bj->abco", g, w.astype(jnp.float32), g).astype(x.dtype)
+  mm = jnp.einsum("abnpqc,abco->abnpqo", v, u, preferred_element_type=jnp.float32)
+  y = jnp.einsum("ua,vb,abnpqo->npuqvo", at, at, mm)
+  return y.reshape(n, ht * m, wt * m, -1)[:, :h, :wd].astype(x.dtype)
+
+
+def cost(cfg) -> tuple[float, float]:
+  """Direct-conv FLOPs and compulsory bytes (x, w, y once; x, w, dy in and dx, dw out for the backward)."""
+  n, h, c = cfg["shape"]
+  flops = 2 * n * h * h * 9 * c * c
+  x = n * h * h * c * 2
+  wb = 9 * c * c * 2
+  if cfg["mode"] == "fwd":
+    return flops, 2 * x + wb
+  return 3 * flops, 2 * x + wb + 2 * x + wb + 2 * x  # forward, then dx and dw
+
+
+def _program(cfg):
+  n, h, c = cfg["shape"]
+  x = jax.ShapeDtypeStruct((n, h, h, c), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((3, 3, c, c), jnp.bfloat16)
+  impl = cfg["impl"]
+  blocks = C.BlockSizes(**cfg["blocks"]) if cfg.get("blocks") else None
+  if impl == "xla":
+    f = lambda x, w: C.conv2d_reference(x, w)  # noqa: E731
+  elif impl.startswith("jax_f"):
+    f = lambda x, w: winograd_jax(x, w, int(impl[-1]))  # noqa: E731
+  elif impl == "direct":
+    f = lambda x, w: C.conv2d(x, w, algorithm="direct", block_sizes=blocks, implementation="pallas",  # noqa: E731
+                              interpret=False)
+  else:
+    f = lambda x, w: C.conv2d(x, w, algorithm="winograd", tile_size=int(impl[-1]),  # noqa: E731
+                              block_sizes=blocks, implementation="pallas", interpret=False)
+  if cfg["mode"] == "fwd":
+    return f, (x, w)
+
+  def fwdbwd(x, w, dy):
+    y, vjp = jax.vjp(f, x, w)
+    return (y,) + vjp(dy)
+  return fwdbwd, (x, w, x)  # dy: same shape as y (SAME, cin == cout)
+
+
+def estimate(cfg) -> dict:
+  fn, args = _program(cfg)
+  flops, bytes_ = cost(cfg)
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops, bytes_accessed=bytes_)
+  r = e.record()
+  r.update(complete=e.complete, compile_seconds=round(e.compile_seconds, 1), flops=flops, bytes=bytes_)
+  if e.unmodeled:
+    r["notes"] = [n for n in e.notes if "charged 0 cycles" in n][:4]
+  return r
+
+
+def estimate_isolated(cfg) -> dict:
+  return result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)], timeout=560)
+
+
+def _header(description):
+  return {"description": description, "generated_by": "tools/tune_conv.py", "kind": "compiler estimate (floored)",
+          "environment": {"jax": jax.__version__, "python": platform.python_version()}}
+
+
+BENCH_DESCRIPTION = (
+    "kernels.conv2d (direct and Winograd kernels, default blocks) against lax.conv_general_dilated (xla) and "
+    "Winograd F(2x2,3x3) / F(4x4,3x3) in plain JAX (jax_f2 / jax_f4), 3x3 stride 1 SAME, bf16 in, f32 "
+    "accumulate, at ResNet shapes (key: generation/NxHxWxC/impl/mode): compiler estimates (libtpu's static cost "
+    "model), not measurements. us is the floored estimate (model_us, never below floor_us, the counted hbm_bytes "
+    "at the published bandwidth). complete=false: the model charged some op 0 cycles (unmodeled), so us is a lower "
+    "bound that counts neither as a win nor a loss. fraction_of_roofline uses the direct convolution's FLOPs and "
+    "the compulsory bytes: Winograd does fewer multiplies, so above 1.0 is possible for it (and marks it "
+    "valid=false), not an error.")
+
+
+def bench(args):
+  table = result_tables.load(BENCH_OUT) or _header(BENCH_DESCRIPTION)
+  table["description"] = BENCH_DESCRIPTION
+  results = table.setdefault("results", {})
+  for gen in args.generations:
+    for name in args.shapes:
+      n, h, c = SHAPES[name]
+      n = args.batch or n
+      for impl in args.impls:
+        for mode in args.modes:
+          cfg = dict(generation=gen, impl=impl, mode=mode, shape=[n, h, c])
+          key = f"{gen}/{n}x{h}x{h}x{c}/{impl}/{mode}"
+          if key in results and results[key].get("kernel") == KERNEL_VERSION and not args.force:
+            continue
+          r = estimate_isolated(cfg)
+          r.update(cfg, dtype="bfloat16", kernel=KERNEL_VERSION)
+          results[key] = r
+          print(key, r.get("us"), r.get("model_us"), r.get("complete"), r.get("fraction_of_roofline"),
+                r.get("error", ""), flush=True)
+          result_tables.save(table, BENCH_OUT)
+
+
+TUNE_SHAPE = "28x28x512"
+SWEEP = [dict(block_cin=ci, block_cout=co, target_rows=rows) for ci, co in ((128, 128), (256, 256), (512, 512))
+         for rows in (512, 1024, 2048)]
+
+
+def tune(args):
+  table = result_tables.load(BLOCKS_OUT) or _header("")
+  table["description"] = (
+      "Default blocks of kernels.conv's direct kernel per TPU generation, from compiler estimates (libtpu's static "
+      f"cost model; estimates, not measurements) at N=32 {TUNE_SHAPE}->same, 3x3 stride 1, bf16, forward: us is "
+      "the floored estimate. Only complete estimates rank. v5p and v4 copy v5e (not swept; v4 has no cost model).")
+  defaults = table.setdefault("defaults", {})
+  n, h, c = SHAPES[TUNE_SHAPE]
+  for gen in args.generations:
+    sweep = {}
+    for blocks in SWEEP:
+      cfg = dict(generation=gen, impl="direct", mode="fwd", shape=[n, h, c], blocks=blocks)
+      r = estimate_isolated(cfg)
+      sweep[json.dumps(blocks, sort_keys=True)] = r
+      print(gen, blocks, r.get("us"), r.get("complete"), r.get("error", ""), flush=True)
+    ok = {k: v["us"] for k, v in sweep.items() if "us" in v and v.get("complete")}
+    if not ok:
+      continue
+    best = min(ok, key=ok.get)
+    defaults[gen] = dict(json.loads(best), us=ok[best], kernel=KERNEL_VERSION,
+                         tuned=datetime.date.today().isoformat(),
+                         sweep={k: {"us": v.get("us"), "complete": v.get("complete"), "error": v.get("error")}
+                                for k, v in sweep.items()})
+    if gen == "v5e":
+      for other in ("v5p", "v4"):
+        defaults[other] = dict(json.loads(best), source="v5e's choice (not swept; v4 has no cost model)")
+  result_tables.save(table, BLOCKS_OUT)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("job", choices=("bench", "tune", "one"))
+  ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
+  ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
+  ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+  ap.add_argument("--impls", nargs="*", default=list(IMPLS))
+  ap.add_argument("--modes", nargs="*", default=["fwd"])
+  ap.add_argument("--force", action="store_true")
+  ap.add_argument("--batch", type=int, default=None,
+                  help="(bench) override the shape's batch: the cost model's profile of our kernels at N=32 "
+                       "grew past 9 GB of memory on this host, so the stored comparison runs every program at a "
+                       "smaller N (the key says which)")
+  args = ap.parse_args(argv)
+  if args.job == "one":
+    result_tables.print_result(estimate, args.config)
+  else:
+    {"bench": bench, "tune": tune}[args.job](args)
+
+
+if __name__ == "__main__":
+  main()
