@@ -23,10 +23,12 @@ and for the cumulative sums, each exponential ``exp(cs_t - cs_s)`` sends its ter
 ``+`` to ``cs_t`` and ``-`` to ``cs_s``. With ``Q[t, s] = S[t, s] (u_s · dy_t)`` (the intra terms),
 ``R_t = i_t dy_t · (h C_t)`` and ``W_s = w_s u_s · (dh' B_s)`` (the state-update terms)::
 
-    dcs_t = sum_s Q[t, s] - sum_u Q[u, t] + R_t - W_t + [t = end] <dh', h'>
-          = sum_s Q[t, s] + R_t - sc_t dsc_t + [t = end] (e <dh', h> + sum_s W_s)
+    dcs_t = sum_s Q[t, s] - sum_u Q[u, t] + R_t - W_t + [t = end] <dh', h'>,   <dh', h'> = e <dh', h> + sum_s W_s
 
-since ``sum_u Q[u, t] + W_t = u_t · du_t``. The gradient of the per-token log-decay is then the
+Both sums of ``Q`` are taken from the one f32 matrix (over ``s`` along sublanes as a row, over
+``u`` along lanes as a column that XLA adds): with bf16 inputs, taking one of them from ``du``
+instead (``sum_u Q[u, t] + W_t = u_t · du_t``) is cheaper but rounds the two sides differently,
+and the intra terms, which cancel in the chunk's sum, no longer do (``dA`` was off by 20%). The gradient of the per-token log-decay is then the
 reverse cumulative sum of ``dcs`` within each chunk (XLA, ``O(seq x heads)``), and ``dt``, ``A``
 follow from ``a = dt * A`` by JAX's autodiff outside the ``custom_vjp``; ``dD`` is the sum of
 ``x_t · dy_t`` (a per-token row from the kernel, summed by XLA).
@@ -75,7 +77,7 @@ def vmem_bytes(p, L: int, hb: int) -> int:
   P, N = p.head_dim, p.state
   blocks = [((hb, P, L), p.dtype)] * 3  # x, dy, dx (transposed)
   blocks += [((gb, N, L), p.dtype)] * 2 + [((gb, N, L), jnp.float32)] * 2  # B, C; dB, dC
-  blocks += [((hb, 1, L), jnp.float32)] * 5 + [((L, hb), jnp.float32)]  # rows (cs, sc, dcs, dsc, dD), cs columns
+  blocks += [((hb, 1, L), jnp.float32)] * 5 + [((L, hb), jnp.float32)] * 2  # rows (cs, sc, dcs, dsc, dD), columns
   blocks += [((hb * P, N), p.dtype)] + [((hb * P, N), jnp.float32)] * 2  # entering state, dh_T, dh0
   blocks += [((hb, P, 1), jnp.float32)]  # D
   if p.has_reset:
@@ -109,8 +111,8 @@ def _backward_kernel(*refs, p, plan):
     i += 1
   h_ref, dhT_ref = refs[i:i + 2]
   i += 2
-  dx_ref, db_ref, dc_ref, dcs_ref, dsc_ref = refs[i:i + 5]
-  i += 5
+  dx_ref, db_ref, dc_ref, dcs_ref, dcsc_ref, dsc_ref = refs[i:i + 6]
+  i += 6
   if p.has_d:
     dd_ref = refs[i]
     i += 1
@@ -191,12 +193,13 @@ def _backward_kernel(*refs, p, plan):
       dd_ref[hl] = jnp.sum(xt * dyt, axis=0, keepdims=True)
     dx_ref[hl] = dx.astype(dx_ref.dtype)
     dsc = jnp.sum(xt * du, axis=0, keepdims=True)  # (1, L)
-    r = into * jnp.sum(dyt * hc[g][rows_l], axis=0, keepdims=True)
-    wsum = jnp.sum(ut * dst, axis=(0, 1), keepdims=True)  # sum_s W_s
+    r = into * jnp.sum(dyt * hc[g][rows_l], axis=0, keepdims=True)  # R_t
+    ws = jnp.sum(ut * dst, axis=0, keepdims=True)  # W_s
     carry = end * jnp.sum(dh_new[rows_h] * h_ref[rows_h].astype(f32), axis=(0, 1), keepdims=True)  # e <dh', h>
-    dcs = jnp.sum(q, axis=0, keepdims=True) + r - sc_row * dsc + jnp.where(is_end, carry + wsum, 0.0)
+    # (both sums of Q from the one f32 matrix, so that the intra terms cancel exactly in the chunk's sum)
+    dcs_ref[hl] = jnp.sum(q, axis=0, keepdims=True) + r - ws + jnp.where(is_end, carry + jnp.sum(ws), 0.0)
+    dcsc_ref[:, hl:hl + 1] = -jnp.sum(q, axis=1, keepdims=True)  # - sum_u Q[u, s], a column
     dsc_ref[hl] = dsc
-    dcs_ref[hl] = dcs
     idy_ref[rows_h] = (dyt * into).astype(mm)
     xw_ref[rows_h] = (ut * w).astype(mm)
     ends.append(end)
@@ -255,11 +258,13 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
   in_specs += [pl.BlockSpec((None, None, hb * P, N), lambda b, h, c: (b, rc(c), h, 0)), state_spec]
 
   part = pl.BlockSpec((None, None, gb, N, L), lambda b, h, c: (b, h, 0, 0, rc(c)))
-  out_specs = [tok, part, part, row, row]
+  col = pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, rc(c), 0))
+  out_specs = [tok, part, part, row, col, row]
   out_shape = [jax.ShapeDtypeStruct((p.batch, H, P, p.seq), p.dtype),
                jax.ShapeDtypeStruct((p.batch, nhb, gb, N, p.seq), f32),
                jax.ShapeDtypeStruct((p.batch, nhb, gb, N, p.seq), f32),
-               jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32), jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32)]
+               jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32), jax.ShapeDtypeStruct((p.batch, nhb, Tp, hb), f32),
+               jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32)]
   if p.has_d:
     out_specs.append(row)
     out_shape.append(jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32))
@@ -283,15 +288,15 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
                                     bytes_accessed=int(bytes_accessed)),
       interpret=interpret, name="ssd_bwd",
   )(*args)
-  dxt, db, dc, dcs, dsc = out[:5]
-  dd = out[5] if p.has_d else None
+  dxt, db, dc, dcs, dcsc, dsc = out[:6]
+  dd = out[6] if p.has_d else None
   dh0 = out[-1].reshape(p.batch, H, P, N)
   dx = jnp.transpose(dxt, (0, 3, 1, 2))
   # dB, dC: [b, head blocks, groups of the block, n, t] -> [b, t, groups, n], summing the blocks of a group
   fold = lambda v: jnp.transpose(v.reshape(p.batch, G, -1, N, p.seq).sum(axis=2), (0, 3, 1, 2))  # noqa: E731
   dB, dC = fold(db), fold(dc)
   # d(log-decay)_t = sum of dcs over the chunk's tokens u >= t (a reverse cumulative sum within each chunk)
-  dcs = dcs.reshape(p.batch, H, nc, L)
+  dcs = (dcs.reshape(p.batch, H, Tp) + jnp.swapaxes(dcsc, 2, 3).reshape(p.batch, H, Tp)).reshape(p.batch, H, nc, L)
   dlog = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1).reshape(p.batch, H, Tp)[:, :, :p.seq]
   dscale = dsc.reshape(p.batch, H, Tp)[:, :, :p.seq]
   dD = None if dd is None else dd.reshape(p.batch, H, Tp).sum(axis=(0, 2))
