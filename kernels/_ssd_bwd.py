@@ -50,7 +50,7 @@ step, on the MXU (bf16 operands for bf16 inputs, f32 accumulation): per group ``
 the forward), ``dC^T += B^T dCB^T`` and ``dB^T += C^T dCB``; per head ``(u · dy)^T`` (contracting
 head_dim) and ``du^T = dy^T S`` ; for all the block's heads at once ``h C^T`` (for ``R``), ``dh' B^T``,
 ``dh'^T (w u)^T``, ``h^T (i dy)^T`` and ``(i dy)^T C``. The ``L x L`` exponentials, masks, the
-``dCB`` accumulation and the column sums of ``Q`` (over ``s``, along sublanes) are VPU work.
+``dCB`` accumulation and the two sums of ``Q`` (along sublanes and along lanes) are VPU/XLU work.
 
 ``dB`` and ``dC`` come out per head block in f32 and XLA sums the blocks that share a group (none
 when a block covers whole groups, as at the default blocks). Resets and a ragged last chunk are

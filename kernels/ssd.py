@@ -76,10 +76,18 @@ tuning (compiler estimates) found 128 faster on v6e too: the intra-chunk work pe
 with ``L``. ``heads_per_step`` is tuned so that a grid step carries enough work to hide
 its overhead.
 
-*Backward* (``custom_vjp``). The gradients are the VJP of :func:`ssd_chunked_xla`, the
-chunked algorithm in XLA (chunked like the forward: intra-chunk matrices, per-chunk
-states, a scan over chunks), recomputed from the inputs: there is no Pallas backward
-kernel yet.
+*Backward* (``custom_vjp``), two of them, chosen by ``backward=`` (None: ``DEFAULT_BACKWARD``):
+
+* ``"pallas"``: a reverse pass over the chunks in Pallas (:mod:`kernels._ssd_bwd`, where the
+  chunked gradients are derived), grid ``(batch, head blocks, chunks reversed)``, carrying the
+  gradient of the state entering each chunk in an f32 VMEM scratch. It needs the states entering
+  the chunks, which the forward kernel writes when it is differentiated (``save_states``:
+  ``[batch, chunks, heads * head_dim, state]`` in ``x``'s dtype; storing them costs fewer HBM
+  bytes than recomputing them). It produces ``dx``, ``dB``, ``dC`` (summed over a group's heads),
+  ``dD``, ``dh0`` and per-token rows from which XLA gets the log-decay's and ``dt``'s gradients in
+  ``O(seq x heads)``. Resets, ragged chunks, ``h0`` and the final state's cotangent are handled.
+* ``"xla"``: the VJP of :func:`ssd_chunked_xla` (chunked like the forward: intra-chunk matrices,
+  per-chunk states, a scan over chunks), recomputed from the inputs.
 
 *Gated linear attention* (:func:`gated_linear_attention`): ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
 ``o_t = q_t · S_t`` is the same recurrence with ``x = v``, ``B = k``, ``C = q``, the
