@@ -192,7 +192,11 @@ def bench(args):
   for seq in args.seqs:
    for gen in args.generations:
     for impl, chunks in (("ours", (None,)), ("chunked_xla", CHUNKS)):
+      if impl not in args.impls:
+        continue
       for L in chunks:
+        if L is not None and L not in args.chunks:
+          continue
         for mode in args.modes:
           for backward in (BACKWARDS if impl == "ours" and mode == "fwdbwd" else (None,)):
             if backward is not None and backward not in args.backwards:
@@ -226,6 +230,8 @@ def main(argv=None):
                   help="(bench) the slices estimated, each scaled to SHAPE's seq")
   ap.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"])
   ap.add_argument("--backwards", nargs="*", default=list(BACKWARDS), help="(bench) ours' backwards estimated")
+  ap.add_argument("--impls", nargs="*", default=["ours", "chunked_xla"], help="(bench) programs estimated")
+  ap.add_argument("--chunks", type=int, nargs="*", default=list(CHUNKS), help="(bench) chunked_xla's chunks")
   ap.add_argument("--force", action="store_true")
   args = ap.parse_args(argv)
   if args.job == "one":
