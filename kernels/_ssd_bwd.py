@@ -42,8 +42,9 @@ storing is strictly fewer bytes. bf16 storage loses nothing the forward keeps: i
 to bf16 for its ``C h`` matmul too, and the backward uses ``h`` only through bf16 matmuls and the
 ``e <dh', h>`` term.
 
-*Kernel.* Grid ``(batch, head blocks, chunks reversed)`` (parallel, parallel, arbitrary), the same
-``BlockSizes`` as the forward and the same transposed layout (tokens along lanes). ``dh`` (f32,
+*Kernel.* Grid ``(batch, head blocks, chunks reversed)`` (parallel, parallel, arbitrary), the
+forward's chunk and heads per step (fewer heads if a step would not fit VMEM: 16 on v4 at the
+benchmark shape) and the same transposed layout (tokens along lanes). ``dh`` (f32,
 ``[heads_per_step * head_dim, state]``) lives in a VMEM scratch, set from the final state's
 cotangent at the first step (the last chunk) and written out as ``dh0`` after the last step. Per
 step, on the MXU (bf16 operands for bf16 inputs, f32 accumulation): per group ``(C B^T)^T`` (as in
@@ -58,6 +59,7 @@ handled as in the forward (stale lanes past the end are zeroed before any produc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -87,6 +89,17 @@ def vmem_bytes(p, L: int, hb: int) -> int:
   scratch += [((hb * P, L), jnp.float32)] * 2  # h C^T, dh' B^T (values)
   scratch += [((L, L), jnp.float32)] * 6 + [((P, L), jnp.float32)] * 8  # live values of a head
   return tiling.vmem_footprint(blocks, scratch=scratch)
+
+
+def heads_per_step(p, L: int, hb: int, chip) -> int:
+  """The forward's heads per step, or fewer if the backward's step would not fit the chip's VMEM (v4's 16 MiB
+  at 32 heads x 64): the largest valid divisor of ``hb`` that fits."""
+  hpg = p.heads_per_group
+  for h in range(hb, 0, -1):
+    if hb % h == 0 and p.heads % h == 0 and (hpg % h == 0 or h % hpg == 0):
+      if int(vmem_bytes(p, L, h) * 1.25) + (1 << 20) <= chip.vmem_bytes:
+        return h
+  return 1
 
 
 def flops(p, L: int) -> int:
@@ -221,6 +234,8 @@ def _backward_kernel(*refs, p, plan):
 def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, interpret):
   """The cotangents of ``(x, scale, logdecay, B, C, D, h0)`` (``D``'s is None without ``D``), from the
   forward's entering states ``[b, chunks, h * p, n]``, ``dy`` ``[b, t, h, p]`` and ``dhT`` ``[b, h, p, n]``."""
+  chip = target_chip() or get_chip("v5e")
+  plan = dataclasses.replace(plan, hb=heads_per_step(p, plan.L, plan.hb, chip))
   L, hb = plan.L, plan.hb
   nc = plan.n_chunks
   Tp = nc * L
@@ -270,7 +285,6 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
     out_shape.append(jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32))
   out_specs.append(state_spec)
   out_shape.append(jax.ShapeDtypeStruct((p.batch, H * P, N), f32))
-  chip = target_chip() or get_chip("v5e")
   isz = p.dtype.itemsize
   bytes_accessed = (3 * x.size + 2 * B.size + states.size) * isz + 2 * p.batch * nhb * gb * N * p.seq * 4 \
       + 2 * p.batch * H * P * N * 4

@@ -332,8 +332,12 @@ def test_default_blocks_fit_every_generation():
     p = S._Problem(1, 8192, 32, 64, 1, 128, jnp.dtype(jnp.bfloat16), True, True)
     with kernels.backend.target(gen):
       plan = S._plan(p, BlockSizes())
-    need = S._vmem_bytes(p, plan.L, plan.hb)
+    need = S._vmem_bytes(p, plan.L, plan.hb, save_states=True)
     assert need < kernels.get_chip(gen).vmem_bytes and 32 % plan.hb == 0
+    # the backward takes the forward's heads per step, or fewer where its step would not fit (v4)
+    hb = S._ssd_bwd.heads_per_step(p, plan.L, plan.hb, kernels.get_chip(gen))
+    assert plan.hb % hb == 0 and S._ssd_bwd.vmem_bytes(p, plan.L, hb) * 1.25 < kernels.get_chip(gen).vmem_bytes
+    assert hb == (16 if gen == "v4" else plan.hb)
 
 
 # --- ahead-of-time compilation for TPU ---------------------------------------------------
