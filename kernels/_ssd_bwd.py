@@ -25,10 +25,11 @@ and for the cumulative sums, each exponential ``exp(cs_t - cs_s)`` sends its ter
 
     dcs_t = sum_s Q[t, s] - sum_u Q[u, t] + R_t - W_t + [t = end] <dh', h'>,   <dh', h'> = e <dh', h> + sum_s W_s
 
-Both sums of ``Q`` are taken from the one f32 matrix (over ``s`` along sublanes as a row, over
-``u`` along lanes as a column that XLA adds): with bf16 inputs, taking one of them from ``du``
-instead (``sum_u Q[u, t] + W_t = u_t · du_t``) is cheaper but rounds the two sides differently,
-and the intra terms, which cancel in the chunk's sum, no longer do (``dA`` was off by 20%). The gradient of the per-token log-decay is then the
+Both sums of ``Q`` are taken from the one matrix (rounded to the matmul dtype), as two thin MXU
+products with a row of ones (the sum over lanes would be a cross-lane XLU reduction per row):
+with bf16 inputs, taking one of them from ``du`` instead (``sum_u Q[u, t] + W_t = u_t · du_t``)
+rounds the two sides differently, and the intra terms, which cancel in the chunk's sum, no longer
+do (``dA`` was off by 20%). The gradient of the per-token log-decay is then the
 reverse cumulative sum of ``dcs`` within each chunk (XLA, ``O(seq x heads)``), and ``dt``, ``A``
 follow from ``a = dt * A`` by JAX's autodiff outside the ``custom_vjp``; ``dD`` is the sum of
 ``x_t · dy_t`` (a per-token row from the kernel, summed by XLA).
@@ -50,8 +51,9 @@ cotangent at the first step (the last chunk) and written out as ``dh0`` after th
 step, on the MXU (bf16 operands for bf16 inputs, f32 accumulation): per group ``(C B^T)^T`` (as in
 the forward), ``dC^T += B^T dCB^T`` and ``dB^T += C^T dCB``; per head ``(u · dy)^T`` (contracting
 head_dim) and ``du^T = dy^T S`` ; for all the block's heads at once ``h C^T`` (for ``R``), ``dh' B^T``,
-``dh'^T (w u)^T``, ``h^T (i dy)^T`` and ``(i dy)^T C``. The ``L x L`` exponentials, masks, the
-``dCB`` accumulation and the two sums of ``Q`` (along sublanes and along lanes) are VPU/XLU work.
+``dh'^T (w u)^T``, ``h^T (i dy)^T`` and ``(i dy)^T C``; and per head the two sums of ``Q`` (a row
+of ones times ``Q^T`` and ``Q``). The ``L x L`` exponentials, masks and the ``dCB`` accumulation are
+VPU work.
 
 ``dB`` and ``dC`` come out per head block in f32 and XLA sums the blocks that share a group (none
 when a block covers whole groups, as at the default blocks). Resets and a ragged last chunk are
@@ -79,7 +81,7 @@ def vmem_bytes(p, L: int, hb: int) -> int:
   P, N = p.head_dim, p.state
   blocks = [((hb, P, L), p.dtype)] * 3  # x, dy, dx (transposed)
   blocks += [((gb, N, L), p.dtype)] * 2 + [((gb, N, L), jnp.float32)] * 2  # B, C; dB, dC
-  blocks += [((hb, 1, L), jnp.float32)] * 5 + [((L, hb), jnp.float32)] * 2  # rows (cs, sc, dcs, dsc, dD), columns
+  blocks += [((hb, 1, L), jnp.float32)] * 5 + [((L, hb), jnp.float32)]  # rows (cs, sc, dcs, dsc, dD), cs columns
   blocks += [((hb * P, N), p.dtype)] + [((hb * P, N), jnp.float32)] * 2  # entering state, dh_T, dh0
   blocks += [((hb, P, 1), jnp.float32)]  # D
   if p.has_reset:
@@ -124,8 +126,8 @@ def _backward_kernel(*refs, p, plan):
     i += 1
   h_ref, dhT_ref = refs[i:i + 2]
   i += 2
-  dx_ref, db_ref, dc_ref, dcs_ref, dcsc_ref, dsc_ref = refs[i:i + 6]
-  i += 6
+  dx_ref, db_ref, dc_ref, dcs_ref, dsc_ref = refs[i:i + 5]
+  i += 5
   if p.has_d:
     dd_ref = refs[i]
     i += 1
@@ -158,6 +160,7 @@ def _backward_kernel(*refs, p, plan):
   t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)  # target token t along lanes
   mask = s_idx <= t_idx
   is_end = lax.broadcasted_iota(jnp.int32, (1, L), 1) == L - 1
+  ones8 = jnp.ones((8, L), mm)
   if p.has_reset:
     segr, segc = segr_ref[...], segc_ref[...]  # (1, L), (L, 1)
     mask = mask & (segc == segr)
@@ -209,9 +212,11 @@ def _backward_kernel(*refs, p, plan):
     r = into * jnp.sum(dyt * hc[g][rows_l], axis=0, keepdims=True)  # R_t
     ws = jnp.sum(ut * dst, axis=0, keepdims=True)  # W_s
     carry = end * jnp.sum(dh_new[rows_h] * h_ref[rows_h].astype(f32), axis=(0, 1), keepdims=True)  # e <dh', h>
-    # (both sums of Q from the one f32 matrix, so that the intra terms cancel exactly in the chunk's sum)
-    dcs_ref[hl] = jnp.sum(q, axis=0, keepdims=True) + r - ws + jnp.where(is_end, carry + jnp.sum(ws), 0.0)
-    dcsc_ref[:, hl:hl + 1] = -jnp.sum(q, axis=1, keepdims=True)  # - sum_u Q[u, s], a column
+    # both sums of Q, as rows, on the MXU from the one (rounded) matrix, so that the intra terms cancel
+    # exactly in the chunk's sum: sum_s Q[t, s] (over sublanes) and sum_u Q[u, s] (over lanes, no XLU reduction)
+    q_mm = q.astype(mm)
+    qsum = dot(ones8, q_mm, NN)[0:1] - dot(ones8, q_mm, NT)[0:1]
+    dcs_ref[hl] = qsum + r - ws + jnp.where(is_end, carry + jnp.sum(ws), 0.0)
     dsc_ref[hl] = dsc
     idy_ref[rows_h] = (dyt * into).astype(mm)
     xw_ref[rows_h] = (ut * w).astype(mm)
@@ -273,13 +278,11 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
   in_specs += [pl.BlockSpec((None, None, hb * P, N), lambda b, h, c: (b, rc(c), h, 0)), state_spec]
 
   part = pl.BlockSpec((None, None, gb, N, L), lambda b, h, c: (b, h, 0, 0, rc(c)))
-  col = pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, rc(c), 0))
-  out_specs = [tok, part, part, row, col, row]
+  out_specs = [tok, part, part, row, row]
   out_shape = [jax.ShapeDtypeStruct((p.batch, H, P, p.seq), p.dtype),
                jax.ShapeDtypeStruct((p.batch, nhb, gb, N, p.seq), f32),
                jax.ShapeDtypeStruct((p.batch, nhb, gb, N, p.seq), f32),
-               jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32), jax.ShapeDtypeStruct((p.batch, nhb, Tp, hb), f32),
-               jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32)]
+               jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32), jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32)]
   if p.has_d:
     out_specs.append(row)
     out_shape.append(jax.ShapeDtypeStruct((p.batch, H, 1, Tp), f32))
@@ -302,15 +305,15 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
                                     bytes_accessed=int(bytes_accessed)),
       interpret=interpret, name="ssd_bwd",
   )(*args)
-  dxt, db, dc, dcs, dcsc, dsc = out[:6]
-  dd = out[6] if p.has_d else None
+  dxt, db, dc, dcs, dsc = out[:5]
+  dd = out[5] if p.has_d else None
   dh0 = out[-1].reshape(p.batch, H, P, N)
   dx = jnp.transpose(dxt, (0, 3, 1, 2))
   # dB, dC: [b, head blocks, groups of the block, n, t] -> [b, t, groups, n], summing the blocks of a group
   fold = lambda v: jnp.transpose(v.reshape(p.batch, G, -1, N, p.seq).sum(axis=2), (0, 3, 1, 2))  # noqa: E731
   dB, dC = fold(db), fold(dc)
   # d(log-decay)_t = sum of dcs over the chunk's tokens u >= t (a reverse cumulative sum within each chunk)
-  dcs = (dcs.reshape(p.batch, H, Tp) + jnp.swapaxes(dcsc, 2, 3).reshape(p.batch, H, Tp)).reshape(p.batch, H, nc, L)
+  dcs = dcs.reshape(p.batch, H, nc, L)
   dlog = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1).reshape(p.batch, H, Tp)[:, :, :p.seq]
   dscale = dsc.reshape(p.batch, H, Tp)[:, :, :p.seq]
   dD = None if dd is None else dd.reshape(p.batch, H, Tp).sum(axis=(0, 2))
