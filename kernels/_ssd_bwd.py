@@ -184,7 +184,8 @@ def _backward_kernel(*refs, p, plan):
     rows_h = slice(hl * P, (hl + 1) * P)
     rows_l = slice(local * P, (local + 1) * P)
     xt = clean(x_ref[hl]).astype(f32)  # (P, L)
-    dyt = clean(dy_ref[hl]).astype(f32)
+    dyt_mm = clean(dy_ref[hl])  # (dy arrives in the matmul dtype)
+    dyt = dyt_mm.astype(f32)
     cs_row, sc_row = csr_ref[hl], scr_ref[hl]  # (1, L)
     cs_end = csc_ref[L - 1:L, hl:hl + 1]  # (1, 1)
     decay = jnp.exp(jnp.where(mask, cs_row - csc_ref[:, hl:hl + 1], -jnp.inf))  # exp(cs_t - cs_s) [s, t]
@@ -196,7 +197,6 @@ def _backward_kernel(*refs, p, plan):
       w = jnp.where(in_last, w, 0.0)
       end = jnp.where(keep_carry, end, 0.0)
     ut = xt * sc_row  # u^T = (sc x)^T
-    dyt_mm = dyt.astype(mm)
     udy = dot(ut.astype(mm), dyt_mm, TT)  # [s, t] = u_s . dy_t
     st = cb_ref[g] * decay  # S^T
     q = st * udy  # Q^T
