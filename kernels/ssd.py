@@ -90,7 +90,8 @@ its overhead.
   per-chunk states, a scan over chunks), recomputed from the inputs.
 
 The default is ``"pallas"``: at the benchmark shape, forward + backward with it is estimated
-(compiler estimates, floored) at 0.59x the time with the XLA VJP on v5e and 0.87x on v6e.
+(compiler estimates, floored, ``kernels/data/ssd_bench.json``) at 0.56x the time with the XLA
+VJP on v5e and 0.72x on v6e.
 
 *Gated linear attention* (:func:`gated_linear_attention`): ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
 ``o_t = q_t · S_t`` is the same recurrence with ``x = v``, ``B = k``, ``C = q``, the
