@@ -76,10 +76,22 @@ tuning (compiler estimates) found 128 faster on v6e too: the intra-chunk work pe
 with ``L``. ``heads_per_step`` is tuned so that a grid step carries enough work to hide
 its overhead.
 
-*Backward* (``custom_vjp``). The gradients are the VJP of :func:`ssd_chunked_xla`, the
-chunked algorithm in XLA (chunked like the forward: intra-chunk matrices, per-chunk
-states, a scan over chunks), recomputed from the inputs: there is no Pallas backward
-kernel yet.
+*Backward* (``custom_vjp``), two of them, chosen by ``backward=`` (None: ``DEFAULT_BACKWARD``):
+
+* ``"pallas"``: a reverse pass over the chunks in Pallas (:mod:`kernels._ssd_bwd`, where the
+  chunked gradients are derived), grid ``(batch, head blocks, chunks reversed)``, carrying the
+  gradient of the state entering each chunk in an f32 VMEM scratch. It needs the states entering
+  the chunks, which the forward kernel writes when it is differentiated (``save_states``:
+  ``[batch, chunks, heads * head_dim, state]`` in ``x``'s dtype; storing them costs fewer HBM
+  bytes than recomputing them). It produces ``dx``, ``dB``, ``dC`` (summed over a group's heads),
+  ``dD``, ``dh0`` and per-token rows from which XLA gets the log-decay's and ``dt``'s gradients in
+  ``O(seq x heads)``. Resets, ragged chunks, ``h0`` and the final state's cotangent are handled.
+* ``"xla"``: the VJP of :func:`ssd_chunked_xla` (chunked like the forward: intra-chunk matrices,
+  per-chunk states, a scan over chunks), recomputed from the inputs.
+
+The default is ``"pallas"``: at the benchmark shape, forward + backward with it is estimated
+(compiler estimates, floored, ``kernels/data/ssd_bench.json``) at 0.56x the time with the XLA
+VJP on v5e and 0.72x on v6e.
 
 *Gated linear attention* (:func:`gated_linear_attention`): ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
 ``o_t = q_t · S_t`` is the same recurrence with ``x = v``, ``B = k``, ``C = q``, the
@@ -108,7 +120,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import tiling
+from kernels import _ssd_bwd, tiling
 from kernels.backend import dispatch, target_chip
 from kernels.errors import TilingError, check
 from kernels.hardware import get_chip
@@ -118,6 +130,9 @@ __all__ = ["BlockSizes", "default_block_sizes", "gated_linear_attention", "gated
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 FLOAT_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64), jnp.dtype(jnp.float16))
+# The Pallas path's backward when ``backward=None``: "pallas" (kernels/_ssd_bwd.py) or "xla" (the VJP of
+# ssd_chunked_xla). Pallas: its forward + backward is estimated faster on v5e and v6e (kernels/data/ssd_bench.json).
+DEFAULT_BACKWARD = "pallas"
 
 
 # ---------------------------------------------------------------------------------
@@ -374,7 +389,7 @@ def _valid_hb(p: _Problem, hb: int) -> bool:
   return p.heads % hb == 0 and (hpg % hb == 0 or hb % hpg == 0)
 
 
-def _vmem_bytes(p: _Problem, L: int, hb: int) -> int:
+def _vmem_bytes(p: _Problem, L: int, hb: int, save_states: bool = False) -> int:
   gb = max(1, hb // p.heads_per_group)
   blocks = [((hb, p.head_dim, L), p.dtype)] * 2  # x, y (transposed)
   blocks += [((gb, p.state, L), p.dtype)] * 2  # B, C (transposed)
@@ -383,6 +398,8 @@ def _vmem_bytes(p: _Problem, L: int, hb: int) -> int:
   blocks += [((hb, p.head_dim, 1), jnp.float32)]  # D
   if p.has_reset:
     blocks += [((1, L), jnp.float32), ((L, 1), jnp.float32)]
+  if save_states:
+    blocks += [((hb * p.head_dim, p.state), p.dtype)]
   scratch = [((hb * p.head_dim, p.state), jnp.float32), ((gb, L, L), jnp.float32), ((hb * p.head_dim, L), p.dtype)]
   scratch += [((L, L), jnp.float32)] * 4 + [((p.head_dim, L), jnp.float32)] * 6  # live values of a head
   return tiling.vmem_footprint(blocks, scratch=scratch)
@@ -416,8 +433,10 @@ def _flops(p: _Problem, L: int) -> int:
   return 2 * chunks * (p.groups * L * L * p.state + p.heads * (L * L * p.head_dim + 2 * L * p.state * p.head_dim))
 
 
-def _forward_kernel(*refs, p: _Problem, plan: _Plan):
-  """One chunk of ``hb`` heads, transposed: tokens along lanes (x^T is [head_dim, L] per head)."""
+def _forward_kernel(*refs, p: _Problem, plan: _Plan, save_states: bool = False):
+  """One chunk of ``hb`` heads, transposed: tokens along lanes (x^T is [head_dim, L] per head).
+
+  With ``save_states`` it also writes the state entering each chunk (in ``x``'s dtype), for the backward."""
   L, hb = plan.L, plan.hb
   hpg = p.heads_per_group
   refs = list(refs)
@@ -429,7 +448,12 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan):
   if p.has_d:
     d_ref = refs[i]
     i += 1
-  h0_ref, y_ref, hT_ref, state_ref, cb_ref, xw_ref = refs[i:i + 6]
+  h0_ref, y_ref, hT_ref = refs[i:i + 3]
+  i += 3
+  if save_states:
+    states_ref = refs[i]
+    i += 1
+  state_ref, cb_ref, xw_ref = refs[i:i + 3]
 
   c = pl.program_id(2)
   P = p.head_dim
@@ -439,6 +463,9 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan):
   @pl.when(c == 0)
   def _():
     state_ref[...] = h0_ref[...]
+
+  if save_states:
+    states_ref[...] = state_ref[...].astype(states_ref.dtype)
 
   if p.seq % L:
     valid = (lax.broadcasted_iota(jnp.int32, (1, L), 1) + c * L) < p.seq  # tokens past the end: stale VMEM
@@ -504,8 +531,10 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan):
     hT_ref[...] = state_ref[...]
 
 
-def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan: _Plan, interpret):
-  """y [b, t, h, p] and the final state [b, h, p, n] f32, through the kernel."""
+def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan: _Plan, interpret,
+                    save_states=False):
+  """y [b, t, h, p] and the final state [b, h, p, n] f32, through the kernel; with ``save_states`` also the
+  state entering each chunk, [b, chunks, h * p, n] in ``x``'s dtype (for the backward)."""
   L, hb = plan.L, plan.hb
   nc = plan.n_chunks
   Tp = nc * L
@@ -548,29 +577,38 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
   in_specs.append(state_spec)
   chip = target_chip() or get_chip("v5e")
   bytes_accessed = 2 * x.size * p.dtype.itemsize + 2 * B.size * p.dtype.itemsize + 2 * p.batch * H * P * N * 4
-  y, hT = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p, plan=plan),
+  out_specs = [pl.BlockSpec((None, hb, P, L), lambda b, h, c: (b, h, 0, c)), state_spec]
+  out_shape = [jax.ShapeDtypeStruct((p.batch, H, P, p.seq), p.dtype), jax.ShapeDtypeStruct((p.batch, H * P, N), f32)]
+  if save_states:
+    out_specs.append(pl.BlockSpec((None, None, hb * P, N), lambda b, h, c: (b, c, h, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((p.batch, nc, H * P, N), p.dtype))
+    bytes_accessed += p.batch * nc * H * P * N * p.dtype.itemsize
+  out = pl.pallas_call(
+      functools.partial(_forward_kernel, p=p, plan=plan, save_states=save_states),
       grid=plan.grid(p),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, hb, P, L), lambda b, h, c: (b, h, 0, c)), state_spec],
-      out_shape=[jax.ShapeDtypeStruct((p.batch, H, P, p.seq), p.dtype),
-                 jax.ShapeDtypeStruct((p.batch, H * P, N), f32)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((hb * P, N), f32), pltpu.VMEM((gb, L, L), f32), pltpu.VMEM((hb * P, L), p.dtype)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                           vmem_limit_bytes=tiling.vmem_limit(_vmem_bytes(p, L, hb), chip)),
+                                           vmem_limit_bytes=tiling.vmem_limit(_vmem_bytes(p, L, hb, save_states), chip)),
       cost_estimate=pl.CostEstimate(flops=int(_flops(p, L)), transcendentals=int(p.batch * Tp * H * (L + 3)),
                                     bytes_accessed=int(bytes_accessed)),
       interpret=interpret, name="ssd",
   )(*args)
-  return jnp.transpose(y, (0, 3, 1, 2)), hT.reshape(p.batch, H, P, N)
+  y, hT = jnp.transpose(out[0], (0, 3, 1, 2)), out[1].reshape(p.batch, H, P, N)
+  return (y, hT, out[2]) if save_states else (y, hT)
 
 
-def _pallas_path(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, blocks: BlockSizes, interpret):
-  """The differentiable Pallas forward (the backward: the chunked XLA algorithm's VJP)."""
+def _pallas_path(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, blocks: BlockSizes, interpret,
+                 backward=None):
+  """The differentiable Pallas forward; the backward is the Pallas reverse pass (:mod:`kernels._ssd_bwd`)
+  or, with ``backward="xla"``, the chunked XLA algorithm's VJP."""
   if p.dtype not in KERNEL_DTYPES:
     raise NotImplementedError(f"the Pallas kernel takes float32 and bfloat16, not {p.dtype.name} "
                               "(float64 runs on the XLA path)")
   plan = _plan(p, blocks)
+  backward = backward or DEFAULT_BACKWARD
   if h0 is None:
     h0 = jnp.zeros((p.batch, p.heads, p.head_dim, p.state), jnp.float32)
   if D is None:
@@ -580,9 +618,9 @@ def _pallas_path(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, blocks:
   keep = jnp.zeros((p.batch, p.seq), jnp.float32) if reset is None else reset.astype(jnp.float32)
   rst = lambda keep: (keep > 0.5) if p.has_reset else None  # noqa: E731
 
-  def fwd(x, scale, logdecay, B, C, D, h0, keep):
+  def fwd(x, scale, logdecay, B, C, D, h0, keep, save_states=False):
     return _pallas_forward(x, scale, logdecay, B, C, D if p.has_d else None, h0, rst(keep), p=p, plan=plan,
-                           interpret=interpret)
+                           interpret=interpret, save_states=save_states)
 
   def xla(x, scale, logdecay, B, C, D, h0, keep):
     return _chunked_core(x, scale, logdecay, B, C, D if p.has_d else None, h0, rst(keep), plan.L)
@@ -592,28 +630,40 @@ def _pallas_path(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, blocks:
     return fwd(*args)
 
   def f_fwd(*args):
-    return fwd(*args), args
+    if backward == "xla":
+      return fwd(*args), (args, None)
+    y, hT, states = fwd(*args, save_states=True)
+    return (y, hT), (args, states)
 
-  def f_bwd(args, ct):
+  def f_bwd(res, ct):
+    args, states = res
     dy, dh = ct
-    _, vjp = jax.vjp(lambda *a: xla(*a, args[-1]), *args[:-1])
-    return vjp((dy, dh.astype(jnp.float32))) + (jnp.zeros_like(args[-1]),)
+    if backward == "xla":
+      _, vjp = jax.vjp(lambda *a: xla(*a, args[-1]), *args[:-1])
+      return vjp((dy, dh.astype(jnp.float32))) + (jnp.zeros_like(args[-1]),)
+    x, scale, logdecay, B, C, D, h0, keep = args
+    grads = _ssd_bwd.backward(x, scale, logdecay, B, C, D, rst(keep), states, dy, dh, p=p, plan=plan,
+                              interpret=interpret)
+    dD = grads[5] if p.has_d else jnp.zeros_like(D)
+    grads = grads[:5] + (dD, grads[6])
+    return tuple(g.astype(a.dtype) for g, a in zip(grads, args[:-1])) + (jnp.zeros_like(keep),)
 
   f.defvjp(f_fwd, f_bwd)
   return f(x, scale, logdecay, B, C, D, h0.astype(jnp.float32), keep)
 
 
-def _run(op, x, scale, logdecay, B, C, D, h0, reset, *, p, blocks, implementation, interpret):
+def _run(op, x, scale, logdecay, B, C, D, h0, reset, *, p, blocks, implementation, interpret, backward=None):
+  check(backward in (None, "pallas", "xla"), "backward", backward, 'must be None, "pallas" or "xla"')
   chunk = blocks.chunk_size or default_block_sizes(getattr(target_chip(), "name", None)).chunk_size
   return dispatch(
       op, x, scale, logdecay, B, C, D, h0, reset,
-      pallas=lambda *a, interpret: _pallas_path(*a, p=p, blocks=blocks, interpret=interpret),
+      pallas=lambda *a, interpret: _pallas_path(*a, p=p, blocks=blocks, interpret=interpret, backward=backward),
       xla=lambda *a: _chunked_core(*a, chunk),
       implementation=implementation, interpret=interpret)
 
 
 def ssd(x, dt, A, B, C, *, D=None, chunk_size=None, h0=None, reset=None, return_final_state=False,
-        block_sizes=None, implementation=None, interpret=None):
+        block_sizes=None, implementation=None, interpret=None, backward=None):
   """Mamba-2's selective state space (SSD) in chunked form, state in f32.
 
   Per head, ``h_t = exp(dt_t * A) * h_{t-1} + dt_t * (x_t ⊗ B_t)`` (state ``[head_dim,
@@ -635,11 +685,13 @@ def ssd(x, dt, A, B, C, *, D=None, chunk_size=None, h0=None, reset=None, return_
     return_final_state: also return the state after the last token (f32).
     block_sizes: a :class:`BlockSizes` (``chunk_size``, ``heads_per_step``) or a tuple.
     implementation, interpret: see :func:`kernels.dispatch`.
+    backward: the Pallas path's backward: ``"pallas"`` (the reverse-chunk kernel),
+      ``"xla"`` (the VJP of :func:`ssd_chunked_xla`) or None (``DEFAULT_BACKWARD``). The
+      XLA path always differentiates :func:`ssd_chunked_xla`.
 
   Returns:
     ``y`` ``[batch, seq, heads, head_dim]`` in ``x``'s dtype; with ``return_final_state``,
-    ``(y, h_last)``. Differentiable in every array argument (the backward is the chunked
-    XLA algorithm's VJP).
+    ``(y, h_last)``. Differentiable in every array argument.
 
   Raises:
     KernelError: bad input, naming the argument, before anything is lowered.
@@ -650,7 +702,7 @@ def ssd(x, dt, A, B, C, *, D=None, chunk_size=None, h0=None, reset=None, return_
   f = _state_dtype(p.dtype)
   logdecay = dt.astype(f) * A.astype(f)
   y, h = _run("ssd", x, dt, logdecay, B, C, D, h0, reset, p=p, blocks=blocks, implementation=implementation,
-              interpret=interpret)
+              interpret=interpret, backward=backward)
   return (y, h) if return_final_state else y
 
 
@@ -672,7 +724,7 @@ def gated_linear_attention_reference(q, k, v, log_decay, *, h0=None, reset=None,
 
 
 def gated_linear_attention(q, k, v, log_decay, *, chunk_size=None, h0=None, reset=None, return_final_state=False,
-                           block_sizes=None, implementation=None, interpret=None):
+                           block_sizes=None, implementation=None, interpret=None, backward=None):
   """Gated linear attention with a per-token scalar decay per head, on the SSD kernel.
 
   ``S_t = exp(log_decay_t) * S_{t-1} + v_t ⊗ k_t`` (state ``[value_dim, key_dim]`` per head,
@@ -685,12 +737,12 @@ def gated_linear_attention(q, k, v, log_decay, *, chunk_size=None, h0=None, rese
       float dtype (float32 or bfloat16 for the kernel).
     log_decay: ``[batch, seq, heads]``, ``log`` of the decay (<= 0), any float dtype.
     chunk_size, h0 (``[batch, heads, value_dim, key_dim]``), reset, return_final_state,
-    block_sizes, implementation, interpret: as in :func:`ssd`.
+    block_sizes, implementation, interpret, backward: as in :func:`ssd`.
   """
   ones = _gla_args(q, k, v, log_decay)
   p = _validate(v, log_decay, None, k, q, None, h0, reset, return_final_state,
                 names=("v", "log_decay", "A", "k", "q"))
   blocks = _check_blocks(chunk_size, block_sizes)
   y, h = _run("gated_linear_attention", v, ones, log_decay.astype(_state_dtype(p.dtype)), k, q, None, h0, reset,
-              p=p, blocks=blocks, implementation=implementation, interpret=interpret)
+              p=p, blocks=blocks, implementation=implementation, interpret=interpret, backward=backward)
   return (y, h) if return_final_state else y

@@ -15,8 +15,10 @@ keeps both, and the notebook shows how the scaled times move with the slice.
 
 * ``tune`` -> ``ssd_blocks.json``: on v5e and v6e, forward alone, every chunk in {128, 256} and heads per step
   in {8, 16, 32}; the fastest wins (within 1%: the smaller VMEM plan). v5p and v4 copy v5e's choice.
-* ``bench`` -> ``ssd_bench.json``: on v5e and v6e, forward and forward + backward: ours (default blocks) and
-  :func:`kernels.ssd.ssd_chunked_xla` (chunk 128 on v5e, 256 on v6e, as ours; and the other chunk too), with
+* ``bench`` -> ``ssd_bench.json``: on v5e and v6e, forward and forward + backward: ours (default blocks; forward +
+  backward once with each backward, the Pallas reverse pass ``kernels/_ssd_bwd.py`` and the VJP of the chunked XLA
+  algorithm, keys ``ours+pallas_bwd`` / ``ours+xla_bwd`` and field ``backward``) and
+  :func:`kernels.ssd.ssd_chunked_xla` (chunk 128 and 256), with
   the roofline on both sides: HBM (``x``, ``B``, ``C`` read once, ``y`` written once) and MXU (the chunked
   algorithm's useful matmul FLOPs at the chip's bf16 peak).
 
@@ -54,7 +56,8 @@ GENERATIONS = ("v5e", "v6e")
 CHUNKS = (128, 256)
 HEADS_PER_STEP = (8, 16, 32)
 TIE = 0.01
-KERNEL_VERSION = 1  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step), XLA chunked backward
+KERNEL_VERSION = 2  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward
+BACKWARDS = ("pallas", "xla")  # ours' backward in fwdbwd records: kernels/_ssd_bwd.py or ssd_chunked_xla's VJP
 
 
 def problem(seq: int):
@@ -87,7 +90,8 @@ def _program(cfg):
           sds((b, t, g, n), bf), sds((h,), jnp.float32)]
   if cfg["impl"] == "ours":
     blocks = ssd.BlockSizes(cfg.get("chunk_size"), cfg.get("heads_per_step"))
-    fwd = lambda x, dt, A, B, C, D: ssd.ssd(x, dt, A, B, C, D=D, block_sizes=blocks)  # noqa: E731
+    fwd = lambda x, dt, A, B, C, D: ssd.ssd(x, dt, A, B, C, D=D, block_sizes=blocks,  # noqa: E731
+                                            backward=cfg.get("backward"))
   elif cfg["impl"] == "chunked_xla":
     fwd = lambda x, dt, A, B, C, D: ssd.ssd_chunked_xla(x, dt, A, B, C, D=D, chunk_size=cfg["chunk_size"])  # noqa: E731
   else:
@@ -179,29 +183,41 @@ def bench(args):
       "the floored estimate: the model's time (model_us), never less than the program's counted HBM bytes at the "
       "published bandwidth (floor_us). roofline: hbm_us (compulsory bytes at the published bandwidth) and mxu_us "
       "(the chunked algorithm's useful matmul FLOPs, at the generation's default chunk, at the bf16 peak; forward + "
-      "backward counted as 3x the forward). Ours' backward is the chunked XLA algorithm's VJP.")
+      "backward counted as 3x the forward). Ours' forward + backward records say which backward they ran (backward: "
+      "'pallas', the reverse-chunk kernel of kernels/_ssd_bwd.py, or 'xla', the VJP of ssd_chunked_xla); with the "
+      "Pallas backward the forward also writes the state entering each chunk.")
   table["roofline"] = {f"{gen}/{mode}": roofline(gen, mode, ssd.default_block_sizes(gen).chunk_size)
                        for gen in GENERATIONS for mode in ("fwd", "fwdbwd")}
   results = table.setdefault("results", {})
   for seq in args.seqs:
    for gen in args.generations:
     for impl, chunks in (("ours", (None,)), ("chunked_xla", CHUNKS)):
+      if impl not in args.impls:
+        continue
       for L in chunks:
+        if L is not None and L not in args.chunks:
+          continue
         for mode in args.modes:
-          key = f"{gen}/{impl}{'' if L is None else f'@{L}'}/{mode}/{seq}"
-          if key in results and "us" in results[key] and not args.force:
-            continue
-          cfg = dict(generation=gen, impl=impl, mode=mode, seq=seq)
-          if L is not None:
-            cfg["chunk_size"] = L
-          r = estimate_isolated(cfg)
-          r.update(cfg)
-          if impl == "ours":
-            r["kernel"] = KERNEL_VERSION
-            r["blocks"] = ssd.default_block_sizes(gen).as_dict()
-          results[key] = r
-          print(key, r.get("us"), r.get("model_us"), r.get("floor_us"), r.get("error", ""), flush=True)
-          result_tables.save(table, BENCH_OUT)
+          for backward in (BACKWARDS if impl == "ours" and mode == "fwdbwd" else (None,)):
+            if backward is not None and backward not in args.backwards:
+              continue
+            name = impl if backward is None else f"{impl}+{backward}_bwd"
+            key = f"{gen}/{name}{'' if L is None else f'@{L}'}/{mode}/{seq}"
+            if key in results and "us" in results[key] and not args.force:
+              continue
+            cfg = dict(generation=gen, impl=impl, mode=mode, seq=seq)
+            if L is not None:
+              cfg["chunk_size"] = L
+            if backward is not None:
+              cfg["backward"] = backward
+            r = estimate_isolated(cfg)
+            r.update(cfg)
+            if impl == "ours":
+              r["kernel"] = KERNEL_VERSION
+              r["blocks"] = ssd.default_block_sizes(gen).as_dict()
+            results[key] = r
+            print(key, r.get("us"), r.get("model_us"), r.get("floor_us"), r.get("error", ""), flush=True)
+            result_tables.save(table, BENCH_OUT)
 
 
 def main(argv=None):
@@ -213,6 +229,9 @@ def main(argv=None):
   ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096],
                   help="(bench) the slices estimated, each scaled to SHAPE's seq")
   ap.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"])
+  ap.add_argument("--backwards", nargs="*", default=list(BACKWARDS), help="(bench) ours' backwards estimated")
+  ap.add_argument("--impls", nargs="*", default=["ours", "chunked_xla"], help="(bench) programs estimated")
+  ap.add_argument("--chunks", type=int, nargs="*", default=list(CHUNKS), help="(bench) chunked_xla's chunks")
   ap.add_argument("--force", action="store_true")
   args = ap.parse_args(argv)
   if args.job == "one":
