@@ -36,6 +36,8 @@ AOT_SMOKE = (
     "tests/test_gmm.py::test_aot_compiles_forward_and_backward[v4]",
     "tests/test_moe.py::test_aot_compiles_forward_and_backward[v5e]",
     "tests/test_fft.py::test_aot_compiles_forward_and_backward[v5e-paths]",
+    "tests/test_conv.py::test_aot_compiles_forward_and_backward[direct-None-v5e]",
+    "tests/test_conv.py::test_aot_compiles_forward_and_backward[winograd-4-v6e]",
 )
 
 # Scheduling. xdist (`--dist loadgroup`) hands tests out one at a time, in collection order, to

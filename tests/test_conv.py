@@ -271,3 +271,27 @@ def test_aot_compiles_strided_and_odd_channels(generation):
   comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w, strides=2, implementation="pallas", interpret=False),
                                  x, w, generation=generation, profile=False)
   assert "conv2d_direct" in comp.hlo
+
+
+BENCH_SHAPES = [(32, 56, 256), (32, 28, 512), (32, 14, 1024), (8, 224, 64)]  # the notebook's ResNet shapes
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_compiles_benchmark_shapes(generation):
+  # The benchmark configurations (3x3 SAME, bf16, default blocks): the direct kernel forward and
+  # backward, and F(4x4,3x3) forward, at every ResNet shape the notebook estimates. Without the
+  # cost model (its profile of these programs outgrows a CI machine's memory).
+  for n, hw, c in BENCH_SHAPES:
+    x = jax.ShapeDtypeStruct((n, hw, hw, c), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((3, 3, c, c), jnp.bfloat16)
+
+    def fwd_bwd(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: conv2d(x, w, algorithm="direct", implementation="pallas", interpret=False), x, w)
+      return (y,) + vjp(dy)
+    comp = kernels.compile_for_tpu(fwd_bwd, x, w, x, generation=generation, profile=False)
+    assert comp.hlo.count("conv2d_direct") >= 2, (n, hw, c)  # the forward and dx
+    comp = kernels.compile_for_tpu(
+        lambda x, w: conv2d(x, w, algorithm="winograd", tile_size=4, implementation="pallas", interpret=False),
+        x, w, generation=generation, profile=False)
+    assert "tpu_custom_call" in comp.hlo and comp.vmem_bytes < kernels.get_chip(generation).vmem_bytes
