@@ -409,15 +409,19 @@ def _cdt(x_dtype, precision):
   return jnp.dtype(x_dtype)
 
 
-def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, precision, interpret):
-  sh, sw = c.strides
-  xp = _pad_input(x, c, p)
-  wq = w.astype(x.dtype)
+def _operands(x, w, bias, c: _Conv, p: _Plan):
+  """The padded input, the filter (or transformed filter) with channels padded to whole
+  blocks, and the bias as an f32 ``[1, cout_p]`` row (zeros without one)."""
   if p.cin_p != c.cin or p.cout_p != c.cout:
-    wq = jnp.pad(wq, ((0, 0), (0, 0), (0, p.cin_p - c.cin), (0, p.cout_p - c.cout)))
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, p.cin_p - c.cin), (0, p.cout_p - c.cout)))
   b = jnp.zeros((p.cout_p,), jnp.float32) if bias is None else jnp.pad(bias.astype(jnp.float32),
                                                                            (0, p.cout_p - c.cout))
-  b = b.reshape(1, p.cout_p)
+  return _pad_input(x, c, p), w, b.reshape(1, p.cout_p)
+
+
+def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, precision, interpret):
+  sh, sw = c.strides
+  xp, wq, b = _operands(x, w.astype(x.dtype), bias, c, p)
   nk = p.cin_p // p.bc
   grid = (c.n, p.ho_p // p.bh, p.cout_p // p.bco, nk)
   m_rows = p.bh * p.wo_p
@@ -509,13 +513,7 @@ def _winograd_kernel(x_ref, u_ref, b_ref, o_ref, acc_ref, xf_ref, y_ref, *, m, b
 
 def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dtype, precision, interpret):
   t = m + 2
-  xp = _pad_input(x, c, p)
-  uq = u.astype(x.dtype) if x.dtype == jnp.bfloat16 else u
-  if p.cin_p != c.cin or p.cout_p != c.cout:
-    uq = jnp.pad(uq, ((0, 0), (0, 0), (0, p.cin_p - c.cin), (0, p.cout_p - c.cout)))
-  b = jnp.zeros((p.cout_p,), jnp.float32) if bias is None else jnp.pad(bias.astype(jnp.float32),
-                                                                           (0, p.cout_p - c.cout))
-  b = b.reshape(1, p.cout_p)
+  xp, uq, b = _operands(x, u.astype(x.dtype) if x.dtype == jnp.bfloat16 else u, bias, c, p)
   nk = p.cin_p // p.bc
   wt = p.wo_p // m
   pt = p.bh // m
