@@ -38,6 +38,7 @@ def test_compile_without_profile_gives_the_same_program_and_memory():
 def test_child_compiles_share_one_worker_that_restarts_when_it_dies():
   """Compiles without the profiler reuse one child process (no start-up per compile); a dead one is replaced."""
   worker = kernels.tpu._compile_worker
+  worker._stop()  # a fresh worker: one that earlier tests grew past its limits would be replaced mid-test
   args = (sds(256, 256), sds(256, 256))
   kernels.compile_for_tpu(toy.matmul, *args, generation="v4", bm=128, bk=128, bn=128)
   pid = worker._proc.pid
