@@ -92,7 +92,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, check
+from kernels.errors import KernelError, VmemOverflowError, check
 from kernels.hardware import get_chip
 from kernels.matmul import apply_activation
 
@@ -405,6 +405,32 @@ def _vmem(p: _Plan, x_dtype, w_taps, out_dtype, m_rows, acc_slots=1) -> int:
   return tiling.vmem_footprint(blocks, scratch) + temps
 
 
+def _direct_vmem(p: _Plan, c: _Conv, x_dtype, out_dtype) -> int:
+  return _vmem(p, x_dtype, c.kh * c.kw, out_dtype, p.bh * p.wo_p)
+
+
+def _winograd_vmem(p: _Plan, c: _Conv, m: int, x_dtype, out_dtype) -> int:
+  t, wt = m + 2, p.wo_p // m
+  return (_vmem(p, x_dtype, t * t, out_dtype, p.bh // m * wt, acc_slots=t * t)
+          + tiling.block_bytes((p.bh, p.wo_p, p.bco), jnp.float32)
+          + 2 * t * tiling.block_bytes((p.rows_in, wt, max(p.bc, p.bco)), jnp.float32))
+
+
+def _fitted_plan(c: _Conv, blocks: BlockSizes, need, *, tile: int = 1) -> _Plan:
+  """:func:`_plan`, with the default row block halved until ``need(plan)`` bytes fit the
+  chip's VMEM (v4 has 16 MiB: the default rows of the wide ResNet stages do not fit).
+  An explicit ``block_h`` is kept as given (and a plan that cannot fit is a VmemOverflowError)."""
+  chip = target_chip() or get_chip("v5e")
+  p = _plan(c, blocks, tile=tile)
+  while blocks.block_h is None and p.bh > tile:
+    try:
+      tiling.vmem_limit(need(p), chip)
+      break
+    except VmemOverflowError:
+      p = _plan(c, dataclasses.replace(blocks, target_rows=max(1, p.bh // 2) * p.wo_p), tile=tile)
+  return p
+
+
 def _cdt(x_dtype, precision):
   return jnp.dtype(x_dtype)
 
@@ -431,7 +457,7 @@ def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, preci
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
   o_spec = pl.BlockSpec((1, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
   chip = target_chip() or get_chip("v5e")
-  limit = tiling.vmem_limit(_vmem(p, x.dtype, c.kh * c.kw, out_dtype, m_rows), chip)
+  limit = tiling.vmem_limit(_direct_vmem(p, c, x.dtype, out_dtype), chip)
   kernel = functools.partial(_direct_kernel, kh=c.kh, kw=c.kw, sh=sh, sw=sw, bh=p.bh, wo_p=p.wo_p, nk=nk,
                              activation=activation, cdt=_cdt(x.dtype, precision), precision=precision)
   flops = 2 * c.n * p.ho_p * p.wo_p * p.cin_p * p.cout_p * c.kh * c.kw
@@ -524,9 +550,7 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
   o_spec = pl.BlockSpec((1, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
   chip = target_chip() or get_chip("v5e")
-  need = _vmem(p, x.dtype, t * t, out_dtype, pt * wt, acc_slots=t * t) + tiling.block_bytes(
-      (p.bh, p.wo_p, p.bco), jnp.float32) + 2 * t * tiling.block_bytes((p.rows_in, wt, max(p.bc, p.bco)), jnp.float32)
-  limit = tiling.vmem_limit(need, chip)
+  limit = tiling.vmem_limit(_winograd_vmem(p, c, m, x.dtype, out_dtype), chip)
   kernel = functools.partial(_winograd_kernel, m=m, bh=p.bh, wt=wt, nk=nk, activation=activation,
                              cdt=_cdt(x.dtype, precision), precision=precision)
   flops = 2 * c.n * pt * (p.ho_p // p.bh) * wt * t * t * p.cin_p * p.cout_p
@@ -558,10 +582,10 @@ def winograd_eligible(c: _Conv) -> bool:
 def _forward(x, w, bias, c: _Conv, *, algorithm, tile, blocks, activation, out_dtype, precision, interpret):
   if algorithm == "winograd":
     u = w.u if isinstance(w, WinogradFilter) else winograd_filter_transform(w, tile).u
-    p = _plan(c, blocks, tile=tile)
+    p = _fitted_plan(c, blocks, lambda p: _winograd_vmem(p, c, tile, x.dtype, out_dtype), tile=tile)
     return _winograd_call(x, u, bias, c, p, tile, activation=activation, out_dtype=out_dtype,
                           precision=precision, interpret=interpret)
-  p = _plan(c, blocks)
+  p = _fitted_plan(c, blocks, lambda p: _direct_vmem(p, c, x.dtype, out_dtype))
   return _direct_call(x, w, bias, c, p, activation=activation, out_dtype=out_dtype, precision=precision,
                       interpret=interpret)
 
@@ -607,7 +631,8 @@ def _pallas_entry(x, w, bias, *, c: _Conv, algorithm, tile, blocks, activation, 
     if c.strides == (1, 1):
       ct = _transposed(c)
       w_t = jnp.transpose(w[::-1, ::-1], (0, 1, 3, 2)).astype(x.dtype)
-      dx = _direct_call(dz_c, w_t, None, ct, _plan(ct, blocks), activation=None, out_dtype=x.dtype,
+      p_t = _fitted_plan(ct, blocks, lambda p: _direct_vmem(p, ct, x.dtype, x.dtype))
+      dx = _direct_call(dz_c, w_t, None, ct, p_t, activation=None, out_dtype=x.dtype,
                         precision=precision, interpret=interpret)
       dw = jax.vjp(lambda w: _lax_conv(x, w, c, precision, preferred=jnp.float32), w.astype(x.dtype))[1](dz)[0]
     else:  # strided dx: XLA's transposed convolution (see the module doc)
