@@ -191,13 +191,6 @@ class _Worker:
   RECYCLE = 40
   MAX_RSS = 3 << 30
 
-  def _rss(self) -> int:
-    try:
-      with open(f"/proc/{self._proc.pid}/status") as fh:
-        return next(int(ln.split()[1]) << 10 for ln in fh if ln.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-      return 0
-
   def __init__(self):
     self._proc = None
     self._served = 0
@@ -217,6 +210,14 @@ class _Worker:
       self._proc.stdin.close()
       self._proc.wait()
       self._proc = None
+      self._stderr.close()
+
+  def _rss(self) -> int:
+    try:
+      with open(f"/proc/{self._proc.pid}/status") as fh:
+        return next(int(ln.split()[1]) << 10 for ln in fh if ln.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+      return 0
 
   def request(self, path: str, generation: str) -> dict:
     with self._lock:
@@ -237,8 +238,10 @@ class _Worker:
       if not line:  # it died: report its last words and start afresh next time
         code = self._proc.wait()
         self._stderr.seek(0)
+        last_words = self._stderr.read()[-2000:]
+        self._stderr.close()
         self._proc = None
-        raise RuntimeError(f"TPU {generation} compile worker died (exit {code}): {self._stderr.read()[-2000:]}")
+        raise RuntimeError(f"TPU {generation} compile worker died (exit {code}): {last_words}")
       return json.loads(line)
 
 
