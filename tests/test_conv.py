@@ -29,8 +29,8 @@ from kernels.errors import KernelError, NoImplementationError
 C = importlib.import_module("kernels.conv")
 from kernels.conv import BlockSizes, conv2d, conv2d_reference, winograd_filter_transform  # noqa: E402
 
-TOL = {("direct", "float32"): 1e-5, ("winograd2", "float32"): 2e-5, ("winograd4", "float32"): 2e-4,
-       ("direct", "bfloat16"): 1e-2, ("winograd2", "bfloat16"): 2e-2, ("winograd4", "bfloat16"): 6e-2}
+TOL = {("direct", "float32"): 1e-5, ("winograd2", "float32"): 2e-5, ("winograd4", "float32"): 5e-5,
+       ("direct", "bfloat16"): 1e-2, ("winograd2", "bfloat16"): 2e-2, ("winograd4", "bfloat16"): 4e-2}
 SMALL = BlockSizes(block_h=4)  # several row blocks even at these sizes
 
 
@@ -142,16 +142,31 @@ def test_hypothesis_shapes(h, wd, cin, cout, kernel, stride, padding, algorithm,
 
 
 def test_error_table_f32():
-  """f32 error against float64, relative to max |y|: F(2x2,3x3) within 10x of the direct conv's.
-  F(4x4,3x3) with the usual points (0, +-1, +-2) measures ~27x here: the issue's 10x target is
-  missed and the bound below states what holds."""
+  """f32 error against float64, relative to max |y|: both Winograd tilings within 10x of the direct
+  conv's (the issue's bound for F(4x4,3x3); Lavin's points 0, +-1, +-2 measured ~27x here, the
+  kernel's 0, +-2/3, +-3/2 about 7-9x)."""
   x, w = rand((1, 8, 16, 32)), rand((3, 3, 32, 32), seed=1)
   want = oracle(x, w)
   errs = {a: rel_err(run(x, w, algorithm=a.split("/")[0], tile_size=(int(a[-1]) if "/" in a else None)), want)
           for a in ("direct", "winograd/2", "winograd/4")}
   assert errs["direct"] > 0
   assert errs["winograd/2"] < 10 * errs["direct"], errs
-  assert errs["winograd/4"] < 60 * errs["direct"], errs
+  assert errs["winograd/4"] < 10 * errs["direct"], errs
+
+
+def test_f4_matrices_are_cook_toom_and_exact():
+  # Lavin's points give Lavin's F(4x4,3x3) (up to the sign of a row of B^T and G); ours compute the
+  # valid correlation exactly in float64 for every tile and filter.
+  lavin = C._cook_toom((0, 1, -1, 2, -2))
+  np.testing.assert_array_equal(np.abs(lavin[0][0]), [4, 0, 5, 0, 1, 0])
+  np.testing.assert_array_equal(lavin[2][3], [0, 1, -1, 8, -8, 1])
+  bt, g, at = C.winograd_matrices(4)
+  assert max(np.abs(m).max() for m in (bt, g, at)) < 3.4
+  rng = np.random.default_rng(0)
+  for _ in range(5):
+    d, f = rng.standard_normal((6, 6)), rng.standard_normal((3, 3))
+    want = np.array([[np.sum(d[r:r + 3, c:c + 3] * f) for c in range(4)] for r in range(4)])
+    np.testing.assert_allclose(at @ ((g @ f @ g.T) * (bt @ d @ bt.T)) @ at.T, want, atol=1e-12)
 
 
 def test_winograd_filter_transform_is_accepted():
