@@ -83,7 +83,7 @@ def vmem_bytes(p, L: int, hb: int) -> int:
   blocks += [((gb, N, L), p.dtype)] * 2 + [((gb, N, L), jnp.float32)] * 2  # B, C; dB, dC
   blocks += [((hb, 1, L), jnp.float32)] * 5 + [((L, hb), jnp.float32)]  # rows (cs, sc, dcs, dsc, dD), cs columns
   blocks += [((hb * P, N), p.dtype)] + [((hb * P, N), jnp.float32)] * 2  # entering state, dh_T, dh0
-  blocks += [((hb, P, 1), jnp.float32)]  # D
+  blocks += [((hb, 1, L), jnp.float32)]  # D
   if p.has_reset:
     blocks += [((1, L), jnp.float32), ((L, 1), jnp.float32)]
   scratch = [((hb * P, N), jnp.float32), ((gb, L, L), jnp.float32), ((gb, L, L), jnp.float32)]
@@ -236,6 +236,13 @@ def _backward_kernel(*refs, p, plan):
     dh0_ref[...] = dh_ref[...]
 
 
+def d_rows(D, heads: int, L: int):
+  """``D`` as one row per head, ``[heads, 1, L]`` f32 with every entry ``D[h]``: the kernels scale a head's
+  ``[head_dim, L]`` tile by it with a sublane broadcast. (A ``[head_dim, 1]`` column would need a lane
+  broadcast per head and step, which the cost model charges about as much as the whole ``D x`` term.)"""
+  return jnp.broadcast_to(D.astype(jnp.float32)[:, None, None], (heads, 1, L))
+
+
 def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, interpret):
   """The cotangents of ``(x, scale, logdecay, B, C, D, h0)`` (``D``'s is None without ``D``), from the
   forward's entering states ``[b, chunks, h * p, n]``, ``dy`` ``[b, t, h, p]`` and ``dhT`` ``[b, h, p, n]``."""
@@ -271,8 +278,8 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
     in_specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, rc(c))),
                  pl.BlockSpec((None, L, 1), lambda b, h, c: (b, rc(c), 0))]
   if p.has_d:
-    args.append(jnp.broadcast_to(D.astype(f32)[:, None, None], (H, P, 1)))
-    in_specs.append(pl.BlockSpec((hb, P, 1), lambda b, h, c: (h, 0, 0)))
+    args.append(d_rows(D, H, L))
+    in_specs.append(pl.BlockSpec((hb, 1, L), lambda b, h, c: (h, 0, 0)))
   state_spec = pl.BlockSpec((None, hb * P, N), lambda b, h, c: (b, h, 0))
   args += [states, dhT.astype(f32).reshape(p.batch, H * P, N)]
   in_specs += [pl.BlockSpec((None, None, hb * P, N), lambda b, h, c: (b, rc(c), h, 0)), state_spec]

@@ -89,9 +89,9 @@ its overhead.
 * ``"xla"``: the VJP of :func:`ssd_chunked_xla` (chunked like the forward: intra-chunk matrices,
   per-chunk states, a scan over chunks), recomputed from the inputs.
 
-The default is ``"pallas"``: at the benchmark shape, forward + backward with it is estimated
-(compiler estimates, floored, ``kernels/data/ssd_bench.json``) at 0.56x the time with the XLA
-VJP on v5e and 0.72x on v6e.
+The default is ``"pallas"``: at the benchmark shape its forward + backward is estimated faster
+than with the XLA VJP on v5e and v6e (compiler estimates, floored: ``kernels/data/ssd_bench.json``
+and the scan notebook).
 
 *Gated linear attention* (:func:`gated_linear_attention`): ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``,
 ``o_t = q_t · S_t`` is the same recurrence with ``x = v``, ``B = k``, ``C = q``, the
@@ -395,7 +395,7 @@ def _vmem_bytes(p: _Problem, L: int, hb: int, save_states: bool = False) -> int:
   blocks += [((gb, p.state, L), p.dtype)] * 2  # B, C (transposed)
   blocks += [((hb, 1, L), jnp.float32)] * 2 + [((L, hb), jnp.float32)]  # per-token rows (cs, dt), cs columns
   blocks += [((hb, p.head_dim, p.state), jnp.float32)] * 2  # h0, final state
-  blocks += [((hb, p.head_dim, 1), jnp.float32)]  # D
+  blocks += [((hb, 1, L), jnp.float32)]  # D
   if p.has_reset:
     blocks += [((1, L), jnp.float32), ((L, 1), jnp.float32)]
   if save_states:
@@ -570,8 +570,8 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
     in_specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, c)),
                  pl.BlockSpec((None, L, 1), lambda b, h, c: (b, c, 0))]
   if p.has_d:
-    args.append(jnp.broadcast_to(D.astype(f32)[:, None, None], (H, P, 1)))
-    in_specs.append(pl.BlockSpec((hb, P, 1), lambda b, h, c: (h, 0, 0)))
+    args.append(_ssd_bwd.d_rows(D, H, L))
+    in_specs.append(pl.BlockSpec((hb, 1, L), lambda b, h, c: (h, 0, 0)))
   state_spec = pl.BlockSpec((None, hb * P, N), lambda b, h, c: (b, h, 0))
   args.append(h0.astype(f32).reshape(p.batch, H * P, N))
   in_specs.append(state_spec)

@@ -56,7 +56,7 @@ GENERATIONS = ("v5e", "v6e")
 CHUNKS = (128, 256)
 HEADS_PER_STEP = (8, 16, 32)
 TIE = 0.01
-KERNEL_VERSION = 2  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward
+KERNEL_VERSION = 3  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward; 3: D as per-head rows
 BACKWARDS = ("pallas", "xla")  # ours' backward in fwdbwd records: kernels/_ssd_bwd.py or ssd_chunked_xla's VJP
 
 
