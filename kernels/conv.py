@@ -25,7 +25,14 @@ process, and a strided one (stride > 1) does not lower ("strided load with non 3
 data"). So each step casts its input block to an f32 VMEM scratch once and loads every tap
 from it (unaligned and strided loads are native for 32-bit), casting the tap back to the
 compute dtype for the MXU. The reshape of a tap ``[rows, width, cin] -> [rows * width, cin]``
-needs ``width`` to be a multiple of 8: the output width is padded to one.
+needs ``width`` to be a multiple of 8: the output width is padded to one. (Two alternatives were
+estimated slower or did not compile: multiplying unshifted bf16 rows and shifting the f32
+products, and DMA windows of the input shifted by one column, which are not tile-aligned.)
+
+*Blocks.* ``kernels/data/conv_blocks.json`` holds the defaults, from a sweep of the channels
+per block (``tools/tune_conv.py tune``): 512 in and 512 out on v5e and v6e, which spread the
+f32 copy over more output channels. Where a plan does not fit the chip's VMEM (v4's 16 MiB),
+the default channel blocks are halved (down to 128), then the row block.
 
 *What the wrapper pads (HBM bytes).* The input is padded once by XLA: the conv's own
 padding, rows up to a whole number of row blocks plus the halo, columns up to the padded
@@ -450,18 +457,30 @@ def _winograd_vmem(p: _Plan, c: _Conv, m: int, x_dtype, out_dtype) -> int:
 
 
 def _fitted_plan(c: _Conv, blocks: BlockSizes, need, *, tile: int = 1) -> _Plan:
-  """:func:`_plan`, with the default row block halved until ``need(plan)`` bytes fit the
-  chip's VMEM (v4 has 16 MiB: the default rows of the wide ResNet stages do not fit).
-  An explicit ``block_h`` is kept as given (and a plan that cannot fit is a VmemOverflowError)."""
+  """:func:`_plan`, with its default blocks shrunk until ``need(plan)`` bytes fit the chip's
+  VMEM: first the channel blocks, halved down to 128 (the tuned 512 x 512 channels hold
+  4.7 MB of bf16 3x3 weights, double-buffered more than half of v4's 16 MiB), then the row
+  block. Sizes given explicitly are kept (a plan that cannot fit is a VmemOverflowError)."""
   chip = target_chip() or get_chip("v5e")
-  p = _plan(c, blocks, tile=tile)
-  while blocks.block_h is None and p.bh > tile:
+  free_cin, free_cout, free_h = blocks.block_cin is None, blocks.block_cout is None, blocks.block_h is None
+  while True:
+    p = _plan(c, blocks, tile=tile)
     try:
       tiling.vmem_limit(need(p), chip)
-      break
+      return p
     except VmemOverflowError:
-      p = _plan(c, dataclasses.replace(blocks, target_rows=max(1, p.bh // 2) * p.wo_p), tile=tile)
-  return p
+      pass
+    half = lambda v: max(128, v // 2 // 128 * 128)  # noqa: E731
+    if free_cin and p.bc > 128 and p.bc >= p.bco:
+      blocks = dataclasses.replace(blocks, block_cin=half(p.bc))
+    elif free_cout and p.bco > 128:
+      blocks = dataclasses.replace(blocks, block_cout=half(p.bco))
+    elif free_cin and p.bc > 128:
+      blocks = dataclasses.replace(blocks, block_cin=half(p.bc))
+    elif free_h and p.bh > tile:
+      blocks = dataclasses.replace(blocks, target_rows=max(1, p.bh // 2) * p.wo_p)
+    else:
+      return p
 
 
 def _cdt(x_dtype, precision):

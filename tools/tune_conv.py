@@ -165,18 +165,22 @@ def bench(args):
 
 
 TUNE_SHAPE = "28x28x512"
-SWEEP = [dict(block_cin=ci, block_cout=co, target_rows=rows) for ci, co in ((128, 128), (256, 256), (512, 512))
-         for rows in (512, 1024, 2048)]
+# Channels per block at ~1024 GEMM rows (at 28x28 every rows target from 896 up takes the whole image).
+SWEEP = [dict(block_cin=ci, block_cout=co, target_rows=1024) for ci, co in ((256, 256), (512, 256), (256, 512),
+                                                                              (512, 512))]
 
 
 def tune(args):
   table = result_tables.load(BLOCKS_OUT) or _header("")
   table["description"] = (
       "Default blocks of kernels.conv's direct kernel per TPU generation, from compiler estimates (libtpu's static "
-      f"cost model; estimates, not measurements) at N=32 {TUNE_SHAPE}->same, 3x3 stride 1, bf16, forward: us is "
-      "the floored estimate. Only complete estimates rank. v5p and v4 copy v5e (not swept; v4 has no cost model).")
+      f"cost model; estimates, not measurements) at {TUNE_SHAPE}->same (batch: see 'batch'), 3x3 stride 1, bf16, "
+      "forward: us is the floored estimate. Only complete estimates rank. v5p and v4 copy v5e (not swept; v4 has no "
+      "cost model).")
   defaults = table.setdefault("defaults", {})
   n, h, c = SHAPES[TUNE_SHAPE]
+  n = args.batch or n
+  table["batch"] = n
   for gen in args.generations:
     sweep = {}
     for blocks in SWEEP:
@@ -208,7 +212,7 @@ def main(argv=None):
   ap.add_argument("--modes", nargs="*", default=["fwd"])
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--batch", type=int, default=None,
-                  help="(bench) override the shape's batch: the cost model's profile of our kernels at N=32 "
+                  help="(bench, tune) override the shape's batch: the cost model's profile of our kernels at N=32 "
                        "grew past 9 GB of memory on this host, so the stored comparison runs every program at a "
                        "smaller N (the key says which)")
   args = ap.parse_args(argv)
