@@ -51,9 +51,10 @@ cotangent at the first step (the last chunk) and written out as ``dh0`` after th
 step, on the MXU (bf16 operands for bf16 inputs, f32 accumulation): per group ``(C B^T)^T`` (as in
 the forward), ``dC^T += B^T dCB^T`` and ``dB^T += C^T dCB``; per head ``(u · dy)^T`` (contracting
 head_dim) and ``du^T = dy^T S`` ; for all the block's heads at once ``h C^T`` (for ``R``), ``dh' B^T``,
-``dh'^T (w u)^T``, ``h^T (i dy)^T`` and ``(i dy)^T C``; and per head the two sums of ``Q`` (a row
-of ones times ``Q^T`` and ``Q``). The ``L x L`` exponentials, masks and the ``dCB`` accumulation are
-VPU work.
+``dh'^T (w u)^T``, ``h^T (i dy)^T`` and ``(i dy)^T C``; and per head one of the two sums of ``Q``
+(a row of ones times ``Q^T``, which yields it as a row without a cross-lane reduction). The ``L x L``
+exponentials, masks, the ``dCB`` accumulation and the other sum of ``Q`` (over sublanes: cheaper on
+the VPU than a second pass through the MXU) are VPU work.
 
 ``dB`` and ``dC`` come out per head block in f32 and XLA sums the blocks that share a group (none
 when a block covers whole groups, as at the default blocks). Resets and a ragged last chunk are
@@ -212,10 +213,11 @@ def _backward_kernel(*refs, p, plan):
     r = into * jnp.sum(dyt * hc[g][rows_l], axis=0, keepdims=True)  # R_t
     ws = jnp.sum(ut * dst, axis=0, keepdims=True)  # W_s
     carry = end * jnp.sum(dh_new[rows_h] * h_ref[rows_h].astype(f32), axis=(0, 1), keepdims=True)  # e <dh', h>
-    # both sums of Q, as rows, on the MXU from the one (rounded) matrix, so that the intra terms cancel
-    # exactly in the chunk's sum: sum_s Q[t, s] (over sublanes) and sum_u Q[u, s] (over lanes, no XLU reduction)
+    # both sums of Q, as rows, from the one (rounded) matrix, so that the intra terms cancel in the chunk's
+    # sum up to f32 accumulation order: sum_s Q[t, s] over sublanes on the VPU, and sum_u Q[u, s] over lanes
+    # on the MXU (a row of ones times Q^T: no cross-lane reduction, no transpose)
     q_mm = q.astype(mm)
-    qsum = dot(ones8, q_mm, NN)[0:1] - dot(ones8, q_mm, NT)[0:1]
+    qsum = jnp.sum(q_mm.astype(f32), axis=0, keepdims=True) - dot(ones8, q_mm, NT)[0:1]
     dcs_ref[hl] = qsum + r - ws + jnp.where(is_end, carry + jnp.sum(ws), 0.0)
     dsc_ref[hl] = dsc
     idy_ref[rows_h] = (dyt * into).astype(mm)

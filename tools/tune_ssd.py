@@ -56,7 +56,8 @@ GENERATIONS = ("v5e", "v6e")
 CHUNKS = (128, 256)
 HEADS_PER_STEP = (8, 16, 32)
 TIE = 0.01
-KERNEL_VERSION = 3  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward; 3: D as per-head rows
+KERNEL_VERSION = 4  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward; 3: D as per-head rows;
+# 4: the backward sums Q over sublanes on the VPU
 BACKWARDS = ("pallas", "xla")  # ours' backward in fwdbwd records: kernels/_ssd_bwd.py or ssd_chunked_xla's VJP
 
 
