@@ -246,16 +246,18 @@ def estimate_isolated(cfg, max_rss_gb) -> dict:
   return r
 
 
-def estimate(cfg, max_rss_gb) -> dict:
-  """The full program, else linear in ``f`` from two slices."""
-  r = estimate_isolated(cfg, max_rss_gb)
-  if "us" in r or "RAM" not in r.get("error", ""):
+def estimate(cfg, max_rss_gb, skip_full=False) -> dict:
+  """The full program, else linear in ``f`` from two slices (``skip_full``: the slices only)."""
+  r = ({"error": "the full program was not attempted (--skip-full: it had exceeded the RAM limit before)"}
+       if skip_full else estimate_isolated(cfg, max_rss_gb))
+  if "us" in r or not (skip_full or "RAM" in r.get("error", "")):
     return r
   f = CASES[cfg["case"]]["f"]
   parts = [estimate_isolated(dict(cfg, f=f // s), max_rss_gb) for s in (8, 4)]
   if not all("us" in p for p in parts):
     return {"error": f"full size: {r['error']}; slices: " + "; ".join(p.get("error", "ok") for p in parts)}
-  out = {"scaled": "linear in f from f/8 and f/4 (the full program exceeded the RAM limit)",
+  out = {"scaled": "linear in f from f/8 and f/4 (" + ("the full program was not attempted: it had exceeded "
+                    "the RAM limit before" if skip_full else "the full program exceeded the RAM limit") + ")",
          "slices": {f"f={f // s}": p for s, p in zip((8, 4), parts)}}
   for key in ("us", "model_us", "floor_us", "hbm_bytes"):
     a, b = parts[0][key], parts[1][key]          # at f/8 and f/4: slope per f/8 is (b - a)
@@ -307,7 +309,7 @@ def bench(args):
             if gen == "v5e" and impl.startswith("megablox"):
               r = {"error": V5E_MEGABLOX}
             else:
-              r = estimate(cfg, args.max_rss_gb)
+              r = estimate(cfg, args.max_rss_gb, args.skip_full)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
@@ -335,6 +337,8 @@ def main(argv=None):
   ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB)
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per estimate")
+  ap.add_argument("--skip-full", action="store_true",
+                  help="go straight to the f/8 and f/4 slices (for programs whose full size exceeded the RAM limit)")
   ap.add_argument("--compare-permutations", action="store_true",
                   help="on v6e, also estimate the copy stand-ins of the permutations (permutation_check)")
   args = ap.parse_args(argv)
