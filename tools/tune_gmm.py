@@ -25,7 +25,10 @@ combine einsums are not included).
 *Cases.* ``E8``: 8192 rows (routed tokens), E=8, k=4096, n=14336, group sizes ``balanced``
 (1024 each), ``skewed`` ([4096, 2048, 1024, 512, 256, 128, 64, 64]) and ``empty`` (2048 in
 every other group, 0 in the rest). ``E64``: 8192 tokens x top-8 = 65536 rows, E=64,
-k=2048, n=1408, balanced. A full-size E8 program needs more memory than this machine can
+k=2048, n=1408, balanced; its full program needs more memory than this machine can give the cost
+model (the cost model's memory grows with the number of experts), so it is estimated at 4 and 8 experts
+with the same 1024 rows each and extrapolated linearly in the experts (``scaled``; the slices under
+``slices``, the E=2 slice as a check that the cost is affine: see ``estimate_experts_slices``). A full-size E8 program needs more memory than this machine can
 give the cost model, so E8 is estimated on a slice of n (``n_slice`` columns: 2048 forward,
 1024 forward + backward; the n tiles are independent grid steps) and ``us`` is scaled by ``n / n_slice`` (``scaled_by``); the
 slice's own numbers are under ``slice``. The roofline (``fraction_of_roofline``) is on the
@@ -223,12 +226,26 @@ def estimate_experts_slices(cfg) -> dict:
   So the program at E' experts costs ``a + b * E'`` (``a``: the pipeline's fill and drain), and so do
   the dense einsum (its batch dimension is the experts) and the compulsory bytes. The first two
   slices fix ``a`` and ``b``; the third one (``affine_check``) is compared with the line's prediction,
-  a check that the model's cost really is affine in E'. ``us`` is then ``max(model_us, floor_us)`` of
+  a check that the model's cost really is affine in E' (its model time and counted HBM bytes within
+  AFFINE_TOLERANCE of the line, else the record is an error, slices kept). ``us`` is then ``max(model_us, floor_us)`` of
   the extrapolated model time and floor."""
   c = CASES[cfg["case"]]
   e_full = c["experts"]
   fit, check = c["experts_slices"][:2], c["experts_slices"][2:]
   parts = {e: run_guarded(dict(cfg, experts=e)) for e in (*fit, *check)}
+  return extrapolate_experts(cfg, parts)
+
+
+AFFINE_TOLERANCE = 0.05  # the largest relative miss of the check slice allowed
+
+
+def extrapolate_experts(cfg, parts: dict) -> dict:
+  """:func:`estimate_experts_slices`'s extrapolation from its slices' records ``{experts: record}``. The
+  check slice's model time and counted HBM bytes must lie on the line (within AFFINE_TOLERANCE), else
+  the result is an error (the program is not affine in the experts, so the line is not trusted)."""
+  c = CASES[cfg["case"]]
+  e_full = c["experts"]
+  fit, check = c["experts_slices"][:2], c["experts_slices"][2:]
   if not all("us" in parts[e] for e in fit):
     return {"error": "experts slices: " + "; ".join(f"E={e}: {p.get('error', 'ok')}" for e, p in parts.items()),
             "slices": {f"E={e}": p for e, p in parts.items()}}
@@ -243,10 +260,22 @@ def estimate_experts_slices(cfg) -> dict:
   out["us"] = max(out["model_us"], out["floor_us"])
   out["floored"] = out["floor_us"] >= out["model_us"]
   out["valid"] = all(parts[e].get("valid", True) for e in fit)
+  misses = []
   for e in check:
-    if "us" in parts[e]:
-      out.setdefault("affine_check", {})[f"E={e}"] = {"model_us": parts[e]["model_us"],
-                                                      "predicted_model_us": round(line("model_us", e), 3)}
+    if "us" not in parts[e]:
+      misses.append(f"E={e} not estimated ({parts[e].get('error')})")
+      continue
+    for key in ("model_us", "hbm_bytes"):
+      got, want = parts[e][key], line(key, e)
+      out.setdefault("affine_check", {}).setdefault(f"E={e}", {}).update({key: got, f"predicted_{key}": round(want, 3)})
+      if abs(got - want) > AFFINE_TOLERANCE * abs(want):
+        misses.append(f"E={e}: {key} {got:g}, the line predicts {want:.6g}")
+  if misses:
+    pts = ", ".join(f"E={e}: model {p.get('model_us')} us, {p.get('hbm_bytes', 0) / 1e6:.1f} MB"
+                    for e, p in sorted(parts.items()))
+    return {"error": (f"not estimated: the experts slices are not affine in the number of experts ({'; '.join(misses)}; "
+                      f"slices {pts}), so the extrapolation to E={e_full} is not trusted"),
+            "slices": out["slices"], "affine_check": out.get("affine_check")}
   n = _n(cfg)
   chip = kernels.get_chip(cfg["generation"])
   rl = kernels.roofline_of(flops(c, cfg["mode"], n), bytes_needed(c, cfg["mode"], n), chip, "bfloat16")
