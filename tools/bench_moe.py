@@ -38,7 +38,7 @@ gathers, so megablox cannot be estimated on v5e at all.
 
 *Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
 is stopped above ``--max-rss-gb`` (8). When the full layer does not fit, the program
-is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``)
+is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``; ``--f-slices``)
 and extrapolated linearly in ``f`` (every matmul's FLOPs and every weight's bytes are
 linear in ``f``; routing, permutations and combine do not depend on it); such records
 carry ``"scaled": "linear in f from f/8 and f/4"``.
@@ -246,20 +246,28 @@ def estimate_isolated(cfg, max_rss_gb) -> dict:
   return r
 
 
-def estimate(cfg, max_rss_gb) -> dict:
-  """The full program, else linear in ``f`` from two slices."""
-  r = estimate_isolated(cfg, max_rss_gb)
-  if "us" in r or "RAM" not in r.get("error", ""):
+F_SLICES = (8, 4)  # --f-slices: the divisors of f of the two slices
+
+
+def estimate(cfg, max_rss_gb, skip_full=False) -> dict:
+  """The full program, else linear in ``f`` from two slices ``f / F_SLICES[i]`` (``skip_full``: the slices only)."""
+  r = ({"error": "the full program was not attempted (--skip-full: it had exceeded the RAM limit before)"}
+       if skip_full else estimate_isolated(cfg, max_rss_gb))
+  if "us" in r or not (skip_full or "RAM" in r.get("error", "")):
     return r
   f = CASES[cfg["case"]]["f"]
-  parts = [estimate_isolated(dict(cfg, f=f // s), max_rss_gb) for s in (8, 4)]
+  s1, s2 = F_SLICES
+  assert f % s1 == 0 and f % s2 == 0 and s1 > s2, F_SLICES
+  parts = [estimate_isolated(dict(cfg, f=f // s), max_rss_gb) for s in (s1, s2)]
   if not all("us" in p for p in parts):
     return {"error": f"full size: {r['error']}; slices: " + "; ".join(p.get("error", "ok") for p in parts)}
-  out = {"scaled": "linear in f from f/8 and f/4 (the full program exceeded the RAM limit)",
-         "slices": {f"f={f // s}": p for s, p in zip((8, 4), parts)}}
+  out = {"scaled": f"linear in f from f/{s1} and f/{s2} (" + ("the full program was not attempted: it had exceeded "
+                    "the RAM limit before" if skip_full else "the full program exceeded the RAM limit") + ")",
+         "slices": {f"f={f // s}": p for s, p in zip((s1, s2), parts)}}
   for key in ("us", "model_us", "floor_us", "hbm_bytes"):
-    a, b = parts[0][key], parts[1][key]          # at f/8 and f/4: slope per f/8 is (b - a)
-    out[key] = round(a + (b - a) * 7, 3)         # f = f/8 + 7 * (f/8)
+    a, b = parts[0][key], parts[1][key]          # at f1 = f/s1 and f2 = f/s2: the line through them, at f
+    f1, f2 = f // s1, f // s2
+    out[key] = round(a + (b - a) * (f - f1) / (f2 - f1), 3)
   out["floored"] = out["floor_us"] >= out["model_us"]
   out["valid"] = all(p.get("valid", False) for p in parts)
   case = CASES[cfg["case"]]
@@ -307,7 +315,7 @@ def bench(args):
             if gen == "v5e" and impl.startswith("megablox"):
               r = {"error": V5E_MEGABLOX}
             else:
-              r = estimate(cfg, args.max_rss_gb)
+              r = estimate(cfg, args.max_rss_gb, args.skip_full)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
@@ -323,7 +331,7 @@ def bench(args):
 
 
 def main(argv=None):
-  global TIMEOUT
+  global TIMEOUT, F_SLICES
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("job", choices=("bench", "one"), nargs="?", default="bench")
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
@@ -335,10 +343,15 @@ def main(argv=None):
   ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB)
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per estimate")
+  ap.add_argument("--skip-full", action="store_true",
+                  help="go straight to the f/8 and f/4 slices (for programs whose full size exceeded the RAM limit)")
+  ap.add_argument("--f-slices", nargs=2, type=int, default=list(F_SLICES),
+                  help="the divisors of f of the two slices when the full program does not fit (default 8 4)")
   ap.add_argument("--compare-permutations", action="store_true",
                   help="on v6e, also estimate the copy stand-ins of the permutations (permutation_check)")
   args = ap.parse_args(argv)
   TIMEOUT = args.timeout
+  F_SLICES = tuple(args.f_slices)
   if args.job == "one":
     result_tables.print_result(estimate_here, args.config)
   else:

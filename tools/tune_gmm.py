@@ -25,7 +25,10 @@ combine einsums are not included).
 *Cases.* ``E8``: 8192 rows (routed tokens), E=8, k=4096, n=14336, group sizes ``balanced``
 (1024 each), ``skewed`` ([4096, 2048, 1024, 512, 256, 128, 64, 64]) and ``empty`` (2048 in
 every other group, 0 in the rest). ``E64``: 8192 tokens x top-8 = 65536 rows, E=64,
-k=2048, n=1408, balanced. A full-size E8 program needs more memory than this machine can
+k=2048, n=1408, balanced; its full program needs more memory than this machine can give the cost
+model (the cost model's memory grows with the number of experts), so it is estimated at 4 and 8 experts
+with the same 1024 rows each and extrapolated linearly in the experts (``scaled``; the slices under
+``slices``, the E=2 slice as a check that the cost is affine: see ``estimate_experts_slices``). A full-size E8 program needs more memory than this machine can
 give the cost model, so E8 is estimated on a slice of n (``n_slice`` columns: 2048 forward,
 1024 forward + backward; the n tiles are independent grid steps) and ``us`` is scaled by ``n / n_slice`` (``scaled_by``); the
 slice's own numbers are under ``slice``. The roofline (``fraction_of_roofline``) is on the
@@ -68,15 +71,31 @@ KERNEL_VERSION = 1
 
 CASES = {
     "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048, n_slice_fwdbwd=1024),
-    "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408, n_slice_fwdbwd=1408),
+    "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408, n_slice_fwdbwd=1408, experts_slices=(4, 8, 2)),
 }
 SKEW = [4096, 2048, 1024, 512, 256, 128, 64, 64]
 MEGABLOX_TILINGS = {"megablox_default": (128, 128, 128), "megablox_large": (512, 1024, 1024)}
 CAPACITY = 1.25
 
 
-def group_sizes(case: str, groups: str) -> np.ndarray:
-  c = CASES[case]
+def _c(case) -> dict:
+  """A case's sizes: ``case`` is a name in CASES or an already resolved dict (see :func:`_case`)."""
+  return CASES[case] if isinstance(case, str) else case
+
+
+def _case(cfg) -> dict:
+  """The sizes of ``cfg``'s program: its case, or with ``experts`` set (an experts slice, see
+  :func:`estimate_isolated`) that many experts with the case's rows per expert."""
+  c = CASES[cfg["case"]]
+  e = cfg.get("experts")
+  if not e or e == c["experts"]:
+    return c
+  assert c["rows"] % c["experts"] == 0
+  return dict(c, experts=e, rows=c["rows"] // c["experts"] * e)
+
+
+def group_sizes(case, groups: str) -> np.ndarray:
+  c = _c(case)
   e, m = c["experts"], c["rows"]
   if groups == "balanced":
     return np.full(e, m // e, np.int32)
@@ -88,8 +107,8 @@ def group_sizes(case: str, groups: str) -> np.ndarray:
   raise ValueError(groups)
 
 
-def flops(case: str, mode: str, n: int | None = None) -> float:
-  c = CASES[case]
+def flops(case, mode: str, n: int | None = None) -> float:
+  c = _c(case)
   f = 2.0 * c["rows"] * c["k"] * (n or c["n"])
   return f if mode == "fwd" else 3 * f
 
@@ -97,14 +116,14 @@ def flops(case: str, mode: str, n: int | None = None) -> float:
 def bytes_needed(case: str, mode: str, n: int | None = None) -> float:
   """Compulsory bf16 bytes. Forward: lhs, rhs read, out written. Forward + backward: lhs, rhs, dout
   read; out, dlhs, drhs written."""
-  c = CASES[case]
+  c = _c(case)
   n = n or c["n"]
   lhs, rhs, out = c["rows"] * c["k"], c["experts"] * c["k"] * n, c["rows"] * n
   return 2.0 * ((lhs + rhs + out) if mode == "fwd" else 2 * (lhs + rhs + out))
 
 
-def capacity(case: str) -> int:
-  c = CASES[case]
+def capacity(case) -> int:
+  c = _c(case)
   return int(math.ceil(CAPACITY * c["rows"] / c["experts"] / 8) * 8)
 
 
@@ -114,11 +133,11 @@ def _n(cfg) -> int:
 
 
 def _program(cfg):
-  c = CASES[cfg["case"]]
+  c = _case(cfg)
   m, k, e = c["rows"], c["k"], c["experts"]
   n = _n(cfg)
   bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
-  gs = group_sizes(cfg["case"], cfg["groups"])
+  gs = group_sizes(c, cfg["groups"])
   impl = cfg["impl"]
   blocks = tuple(cfg["blocks"]) if cfg.get("blocks") else None
   if cfg.get("kernel") == "tgmm":  # tgmm alone (tuning): lhs [k, rows], rhs [rows, n]
@@ -137,7 +156,7 @@ def _program(cfg):
     tiling = tuple(min(t, d) for t, d in zip(MEGABLOX_TILINGS[impl], (m, k, n)))
     fwd = lambda a, b: mb.gmm(a, b, gsa, jnp.bfloat16, tiling)  # noqa: E731
   elif impl == "dense":
-    cap = capacity(cfg["case"])
+    cap = capacity(c)
     lhs, dout = sds((e, cap, k), bf16), sds((e, cap, n), bf16)
     fwd = lambda a, b: jnp.einsum("eck,ekn->ecn", a, b)  # noqa: E731
   else:
@@ -162,30 +181,33 @@ def method(impl: str) -> str:
 def estimate(cfg) -> dict:
   fn, args = _program(cfg)
   n = _n(cfg)
-  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(cfg["case"], cfg["mode"], n),
-                           bytes_accessed=bytes_needed(cfg["case"], cfg["mode"], n))
+  c = _case(cfg)
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(c, cfg["mode"], n),
+                           bytes_accessed=bytes_needed(c, cfg["mode"], n))
   r = e.record()
   r.update(compile_seconds=round(e.compile_seconds, 1), n_slice=n)
   return r
 
 
-MAX_RSS_GB = 7.5
+MAX_RSS_GB = 7.5  # --max-rss-gb
+TIMEOUT = None  # --timeout (seconds per estimate; None: no limit)
 
 
 def run_guarded(cfg) -> dict:
   """The ``one`` job in a child process, stopped if its resident memory passes MAX_RSS_GB (the shared
-  machine's limit for one job)."""
+  machine's limit for one job, ``--max-rss-gb``) or it runs longer than TIMEOUT (``--timeout``)."""
   import subprocess  # noqa: PLC0415
   import time  # noqa: PLC0415
   proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "one", json.dumps(cfg)],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  peak = 0.0
+  peak, t0 = 0.0, time.time()
   while proc.poll() is None:
     peak = max(peak, result_tables.rss_gb(proc.pid))
-    if peak > MAX_RSS_GB:
+    if peak > MAX_RSS_GB or (TIMEOUT and time.time() - t0 > TIMEOUT):
       proc.kill()
       proc.wait()
-      return {"error": f"stopped: the estimate passed {MAX_RSS_GB} GB of memory"}
+      return {"error": (f"stopped: the estimate passed {MAX_RSS_GB:g} GB of memory" if peak > MAX_RSS_GB
+                        else f"stopped: the estimate took longer than {TIMEOUT:g} s"), "peak_rss_gb": round(peak, 1)}
     time.sleep(0.5)
   lines = [ln for ln in proc.stdout.read().splitlines() if ln.startswith("{")]
   r = json.loads(lines[-1]) if lines else {"error": f"exit {proc.returncode}"}
@@ -193,9 +215,80 @@ def run_guarded(cfg) -> dict:
   return r
 
 
-def estimate_isolated(cfg) -> dict:
-  r = run_guarded(cfg)
+def estimate_experts_slices(cfg) -> dict:
+  """The case estimated at fewer experts with the same rows per expert, extrapolated linearly in the
+  number of experts (E64: the full program's cost model needs more memory than this machine has).
+
+  Why linear: with balanced groups of ``rows / E`` rows (E64: 1024, a multiple of every ``tm`` used),
+  every group is whole m-tiles, so each of our kernels' grid walks per group the same visits (the
+  same blocks, the same work) and the visit axis is ``m_tiles + E`` long (the padding visits, one per
+  expert, fetch and compute nothing); the grid runs sequentially on the one TensorCore of v5e / v6e.
+  So the program at E' experts costs ``a + b * E'`` (``a``: the pipeline's fill and drain), and so do
+  the dense einsum (its batch dimension is the experts) and the compulsory bytes. The first two
+  slices fix ``a`` and ``b``; the third one (``affine_check``) is compared with the line's prediction,
+  a check that the model's cost really is affine in E' (its model time and counted HBM bytes within
+  AFFINE_TOLERANCE of the line, else the record is an error, slices kept). ``us`` is then ``max(model_us, floor_us)`` of
+  the extrapolated model time and floor."""
   c = CASES[cfg["case"]]
+  e_full = c["experts"]
+  fit, check = c["experts_slices"][:2], c["experts_slices"][2:]
+  parts = {e: run_guarded(dict(cfg, experts=e)) for e in (*fit, *check)}
+  return extrapolate_experts(cfg, parts)
+
+
+AFFINE_TOLERANCE = 0.05  # the largest relative miss of the check slice allowed
+
+
+def extrapolate_experts(cfg, parts: dict) -> dict:
+  """:func:`estimate_experts_slices`'s extrapolation from its slices' records ``{experts: record}``. The
+  check slice's model time and counted HBM bytes must lie on the line (within AFFINE_TOLERANCE), else
+  the result is an error (the program is not affine in the experts, so the line is not trusted)."""
+  c = CASES[cfg["case"]]
+  e_full = c["experts"]
+  fit, check = c["experts_slices"][:2], c["experts_slices"][2:]
+  if not all("us" in parts[e] for e in fit):
+    return {"error": "experts slices: " + "; ".join(f"E={e}: {p.get('error', 'ok')}" for e, p in parts.items()),
+            "slices": {f"E={e}": p for e, p in parts.items()}}
+  (e1, p1), (e2, p2) = [(e, parts[e]) for e in fit]
+
+  def line(key, e):
+    return p1[key] + (p2[key] - p1[key]) * (e - e1) / (e2 - e1)
+  out = {"scaled": f"linear in the number of experts at {c['rows'] // e_full} rows each, from E={e1} and E={e2}",
+         "slices": {f"E={e}": p for e, p in parts.items()}}
+  for key in ("model_us", "floor_us", "hbm_bytes"):
+    out[key] = round(line(key, e_full), 3)
+  out["us"] = max(out["model_us"], out["floor_us"])
+  out["floored"] = out["floor_us"] >= out["model_us"]
+  out["valid"] = all(parts[e].get("valid", True) for e in fit)
+  misses = []
+  for e in check:
+    if "us" not in parts[e]:
+      misses.append(f"E={e} not estimated ({parts[e].get('error')})")
+      continue
+    for key in ("model_us", "hbm_bytes"):
+      got, want = parts[e][key], line(key, e)
+      out.setdefault("affine_check", {}).setdefault(f"E={e}", {}).update({key: got, f"predicted_{key}": round(want, 3)})
+      if abs(got - want) > AFFINE_TOLERANCE * abs(want):
+        misses.append(f"E={e}: {key} {got:g}, the line predicts {want:.6g}")
+  if misses:
+    pts = ", ".join(f"E={e}: model {p.get('model_us')} us, {p.get('hbm_bytes', 0) / 1e6:.1f} MB"
+                    for e, p in sorted(parts.items()))
+    return {"error": (f"not estimated: the experts slices are not affine in the number of experts ({'; '.join(misses)}; "
+                      f"slices {pts}), so the extrapolation to E={e_full} is not trusted"),
+            "slices": out["slices"], "affine_check": out.get("affine_check")}
+  n = _n(cfg)
+  chip = kernels.get_chip(cfg["generation"])
+  rl = kernels.roofline_of(flops(c, cfg["mode"], n), bytes_needed(c, cfg["mode"], n), chip, "bfloat16")
+  out["fraction_of_roofline"] = round(rl.seconds / (out["us"] * 1e-6), 4)
+  return out
+
+
+def estimate_isolated(cfg) -> dict:
+  c = CASES[cfg["case"]]
+  if c.get("experts_slices") and not cfg.get("experts"):
+    r = estimate_experts_slices(cfg)
+  else:
+    r = run_guarded(cfg)
   n = _n(cfg)
   if "us" in r and n != c["n"]:  # scale the slice to the full n
     s = c["n"] / n
@@ -307,6 +400,7 @@ def bench(args):
 
 
 def main(argv=None):
+  global MAX_RSS_GB, TIMEOUT
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("job", choices=("tune", "bench", "one"))
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
@@ -314,7 +408,10 @@ def main(argv=None):
   ap.add_argument("--impls", nargs="*", default=None)
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
+  ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop an estimate above this much RAM")
+  ap.add_argument("--timeout", type=float, default=None, help="stop an estimate after this many seconds")
   args = ap.parse_args(argv)
+  MAX_RSS_GB, TIMEOUT = args.max_rss_gb, args.timeout
   if args.job == "one":
     result_tables.print_result(estimate, args.config)
     return
