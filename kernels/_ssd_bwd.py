@@ -112,27 +112,25 @@ def flops(p, L: int) -> int:
   return 2 * chunks * (3 * p.groups * L * L * p.state + p.heads * (2 * L * L * p.head_dim + 5 * L * p.state * p.head_dim))
 
 
+def split_refs(refs, *groups):
+  """A kernel's refs cut into consecutive groups, in order. A group is a count, or ``(count,
+  present)`` for an optional operand: absent, it takes no refs and stands as ``count`` Nones."""
+  out, i = [], 0
+  for g in groups:
+    n, present = g if isinstance(g, tuple) else (g, True)
+    out.append(tuple(refs[i:i + n]) if present else (None,) * n)
+    i += n if present else 0
+  assert i == len(refs), (i, len(refs))
+  return out
+
+
 def _backward_kernel(*refs, p, plan):
   """One chunk (the grid's last chunk first) of ``hb`` heads, transposed like the forward."""
   L, hb = plan.L, plan.hb
   hpg = p.heads_per_group
-  refs = list(refs)
-  x_ref, dy_ref, b_ref, c_ref, csr_ref, scr_ref, csc_ref = refs[:7]
-  i = 7
-  if p.has_reset:
-    segr_ref, segc_ref = refs[i:i + 2]
-    i += 2
-  if p.has_d:
-    d_ref = refs[i]
-    i += 1
-  h_ref, dhT_ref = refs[i:i + 2]
-  i += 2
-  dx_ref, db_ref, dc_ref, dcs_ref, dsc_ref = refs[i:i + 5]
-  i += 5
-  if p.has_d:
-    dd_ref = refs[i]
-    i += 1
-  dh0_ref, dh_ref, cb_ref, dcb_ref, idy_ref, xw_ref = refs[i:i + 6]
+  ((x_ref, dy_ref, b_ref, c_ref, csr_ref, scr_ref, csc_ref), (segr_ref, segc_ref), (d_ref,), (h_ref, dhT_ref),
+   (dx_ref, db_ref, dc_ref, dcs_ref, dsc_ref), (dd_ref,), (dh0_ref, dh_ref, cb_ref, dcb_ref, idy_ref, xw_ref)) = \
+      split_refs(refs, 7, (2, p.has_reset), (1, p.has_d), 2, 5, (1, p.has_d), 6)
 
   step = pl.program_id(2)
   c = plan.n_chunks - 1 - step  # the chunk this step works on

@@ -439,21 +439,9 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan, save_states: bool = False):
   With ``save_states`` it also writes the state entering each chunk (in ``x``'s dtype), for the backward."""
   L, hb = plan.L, plan.hb
   hpg = p.heads_per_group
-  refs = list(refs)
-  x_ref, b_ref, c_ref, csr_ref, scr_ref, csc_ref = refs[:6]
-  i = 6
-  if p.has_reset:
-    segr_ref, segc_ref = refs[i:i + 2]
-    i += 2
-  if p.has_d:
-    d_ref = refs[i]
-    i += 1
-  h0_ref, y_ref, hT_ref = refs[i:i + 3]
-  i += 3
-  if save_states:
-    states_ref = refs[i]
-    i += 1
-  state_ref, cb_ref, xw_ref = refs[i:i + 3]
+  ((x_ref, b_ref, c_ref, csr_ref, scr_ref, csc_ref), (segr_ref, segc_ref), (d_ref,), (h0_ref, y_ref, hT_ref),
+   (states_ref,), (state_ref, cb_ref, xw_ref)) = \
+      _ssd_bwd.split_refs(refs, 6, (2, p.has_reset), (1, p.has_d), 3, (1, save_states), 3)
 
   c = pl.program_id(2)
   P = p.head_dim
