@@ -124,6 +124,32 @@ def split_refs(refs, *groups):
   return out
 
 
+def chunk_inputs(p, L: int, c, gb: int, b_ref, c_ref, segr_ref, segc_ref):
+  """What both kernels (forward and backward) derive first from a chunk's inputs:
+
+  * ``clean``: zeroes the tokens (lanes) past the sequence's end (stale VMEM, maybe NaN);
+  * ``B^T``, ``C^T`` per group of the block, ``[state, L]``, cleaned;
+  * the intra-chunk mask ``[s, t]``: ``s <= t`` (and, with resets, in the same segment);
+  * with resets, ``(first, in_last, keep_carry)``: ``t`` precedes the chunk's first reset (the
+    carried state reaches it), ``s`` is in the chunk's last segment, and the chunk has no reset
+    (the state carries across it); without resets, three Nones.
+  """
+  if p.seq % L:
+    valid = (lax.broadcasted_iota(jnp.int32, (1, L), 1) + c * L) < p.seq
+    clean = lambda v: jnp.where(valid, v, jnp.zeros_like(v))  # noqa: E731
+  else:
+    clean = lambda v: v  # noqa: E731
+  Bt = [clean(b_ref[g]) for g in range(gb)]
+  Ct = [clean(c_ref[g]) for g in range(gb)]
+  s_idx = lax.broadcasted_iota(jnp.int32, (L, L), 0)  # source token s along sublanes
+  t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)  # target token t along lanes
+  mask = s_idx <= t_idx
+  if not p.has_reset:
+    return clean, Bt, Ct, mask, (None, None, None)
+  segr, segc = segr_ref[...], segc_ref[...]  # (1, L), (L, 1)
+  return clean, Bt, Ct, mask & (segc == segr), (segr == 0.0, segr == segr[:, L - 1:L], segr[:, L - 1:L] == 0.0)
+
+
 def _backward_kernel(*refs, p, plan):
   """One chunk (the grid's last chunk first) of ``hb`` heads, transposed like the forward."""
   L, hb = plan.L, plan.hb
@@ -145,27 +171,11 @@ def _backward_kernel(*refs, p, plan):
   def _():
     dh_ref[...] = dhT_ref[...]
 
-  if p.seq % L:
-    valid = (lax.broadcasted_iota(jnp.int32, (1, L), 1) + c * L) < p.seq  # tokens past the end: stale VMEM
-    clean = lambda v: jnp.where(valid, v, jnp.zeros_like(v))  # noqa: E731
-  else:
-    clean = lambda v: v  # noqa: E731
-
   gb = max(1, hb // hpg)
   hpb = hb // gb  # heads of the block per group
-  Bt = [clean(b_ref[g]) for g in range(gb)]  # B^T, C^T: [state, L]
-  Ct = [clean(c_ref[g]) for g in range(gb)]
-  s_idx = lax.broadcasted_iota(jnp.int32, (L, L), 0)  # source token s along sublanes
-  t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)  # target token t along lanes
-  mask = s_idx <= t_idx
+  clean, Bt, Ct, mask, (first, in_last, keep_carry) = chunk_inputs(p, L, c, gb, b_ref, c_ref, segr_ref, segc_ref)
   is_end = lax.broadcasted_iota(jnp.int32, (1, L), 1) == L - 1
   ones8 = jnp.ones((8, L), mm)
-  if p.has_reset:
-    segr, segc = segr_ref[...], segc_ref[...]  # (1, L), (L, 1)
-    mask = mask & (segc == segr)
-    first = segr == 0.0
-    in_last = segr == segr[:, L - 1:L]
-    keep_carry = segr[:, L - 1:L] == 0.0
   for g in range(gb):
     cb_ref[g] = dot(Bt[g], Ct[g], TT)  # (C B^T)^T [s, t] = B_s . C_t
     dcb_ref[g] = jnp.zeros((L, L), f32)

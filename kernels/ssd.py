@@ -455,24 +455,9 @@ def _forward_kernel(*refs, p: _Problem, plan: _Plan, save_states: bool = False):
   if save_states:
     states_ref[...] = state_ref[...].astype(states_ref.dtype)
 
-  if p.seq % L:
-    valid = (lax.broadcasted_iota(jnp.int32, (1, L), 1) + c * L) < p.seq  # tokens past the end: stale VMEM
-    clean = lambda v: jnp.where(valid, v, jnp.zeros_like(v))  # noqa: E731
-  else:
-    clean = lambda v: v  # noqa: E731
-
   gb = max(1, hb // hpg)
-  Bt = [clean(b_ref[g]) for g in range(gb)]  # B^T, C^T: [state, L]
-  Ct = [clean(c_ref[g]) for g in range(gb)]
-  s_idx = lax.broadcasted_iota(jnp.int32, (L, L), 0)  # source token s along sublanes
-  t_idx = lax.broadcasted_iota(jnp.int32, (L, L), 1)  # target token t along lanes
-  mask = s_idx <= t_idx
-  if p.has_reset:
-    segr, segc = segr_ref[...], segc_ref[...]  # (1, L), (L, 1)
-    mask = mask & (segc == segr)
-    first = segr == 0.0  # (1, L): no reset in the chunk up to t: the carried state reaches t
-    in_last = segr == segr[:, L - 1:L]  # (1, L): s is in the chunk's last segment
-    keep_carry = segr[:, L - 1:L] == 0.0  # (1, 1)
+  clean, Bt, Ct, mask, (first, in_last, keep_carry) = _ssd_bwd.chunk_inputs(p, L, c, gb, b_ref, c_ref, segr_ref,
+                                                                            segc_ref)
   for g in range(gb):  # (C B^T)^T [s, t] = B_s . C_t, once per group
     cb_ref[g] = lax.dot_general(Bt[g], Ct[g], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=prec)
