@@ -246,6 +246,34 @@ def _backward_kernel(*refs, p, plan):
     dh0_ref[...] = dh_ref[...]
 
 
+def token_operands(logdecay, scale, reset, D, p, L: int, nc: int, hb: int, chunk):
+  """The per-token operands both kernels read after their token blocks, and their BlockSpecs
+  (``chunk(c)``: the chunk of grid step ``c``): the chunk-local cumulative sums of the log-decay
+  (f32, padded) as rows ``[b, heads, 1, T]`` and as columns ``[b, head blocks, T, hb]``, the
+  input scale as rows; with resets the chunk-local segment numbers as a row and a column; and
+  ``D`` as per-head rows (:func:`d_rows`)."""
+  f32 = jnp.float32
+  H, Tp = p.heads, nc * L
+  pad = Tp - p.seq
+  a = jnp.pad(logdecay.astype(f32), ((0, 0), (0, pad), (0, 0)))
+  cs = jnp.cumsum(a.reshape(p.batch, nc, L, H), axis=2).reshape(p.batch, Tp, H)
+  sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
+  rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
+  row = pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, chunk(c)))
+  args = [rows(cs), rows(sc), jnp.swapaxes(cs.reshape(p.batch, Tp, H // hb, hb), 1, 2)]
+  specs = [row, row, pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, chunk(c), 0))]
+  if p.has_reset:
+    r = jnp.pad(reset, ((0, 0), (0, pad))).reshape(p.batch, nc, L).astype(jnp.int32)
+    seg = jnp.cumsum(r, axis=2).astype(f32).reshape(p.batch, Tp)
+    args += [seg.reshape(p.batch, 1, Tp), seg.reshape(p.batch, Tp, 1)]
+    specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, chunk(c))),
+              pl.BlockSpec((None, L, 1), lambda b, h, c: (b, chunk(c), 0))]
+  if p.has_d:
+    args.append(d_rows(D, H, L))
+    specs.append(pl.BlockSpec((hb, 1, L), lambda b, h, c: (h, 0, 0)))
+  return args, specs
+
+
 def d_rows(D, heads: int, L: int):
   """``D`` as one row per head, ``[heads, 1, L]`` f32 with every entry ``D[h]``: the kernels scale a head's
   ``[head_dim, L]`` tile by it with a sublane broadcast. (A ``[head_dim, 1]`` column would need a lane
@@ -266,12 +294,6 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
   gb = max(1, hb // hpg)
   nhb = H // hb
   f32 = jnp.float32
-  pad = Tp - p.seq
-  a = jnp.pad(logdecay.astype(f32), ((0, 0), (0, pad), (0, 0)))
-  cs = jnp.cumsum(a.reshape(p.batch, nc, L, H), axis=2).reshape(p.batch, Tp, H)
-  sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
-  rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
-  cols = lambda v: jnp.swapaxes(v.reshape(p.batch, Tp, nhb, hb), 1, 2)  # noqa: E731
   tr = lambda v: jnp.transpose(v, (0, 2, 3, 1))  # noqa: E731  tokens last
   rc = lambda c: nc - 1 - c  # noqa: E731  the grid walks the chunks backwards
 
@@ -279,17 +301,9 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
   tok = pl.BlockSpec((None, hb, P, L), lambda b, h, c: (b, h, 0, rc(c)))
   grp = pl.BlockSpec((None, gb, N, L), lambda b, h, c: (b, gmap(h), 0, rc(c)))
   row = pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, rc(c)))
-  in_specs = [tok, tok, grp, grp, row, row, pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, rc(c), 0))]
-  args = [tr(x), tr(dy.astype(p.dtype)), tr(B), tr(C), rows(cs), rows(sc), cols(cs)]
-  if p.has_reset:
-    r = jnp.pad(reset, ((0, 0), (0, pad))).reshape(p.batch, nc, L).astype(jnp.int32)
-    seg = jnp.cumsum(r, axis=2).astype(f32).reshape(p.batch, Tp)
-    args += [seg.reshape(p.batch, 1, Tp), seg.reshape(p.batch, Tp, 1)]
-    in_specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, rc(c))),
-                 pl.BlockSpec((None, L, 1), lambda b, h, c: (b, rc(c), 0))]
-  if p.has_d:
-    args.append(d_rows(D, H, L))
-    in_specs.append(pl.BlockSpec((hb, 1, L), lambda b, h, c: (h, 0, 0)))
+  scalars, scalar_specs = token_operands(logdecay, scale, reset, D, p, L, nc, hb, rc)
+  in_specs = [tok, tok, grp, grp] + scalar_specs
+  args = [tr(x), tr(dy.astype(p.dtype)), tr(B), tr(C)] + scalars
   state_spec = pl.BlockSpec((None, hb * P, N), lambda b, h, c: (b, h, 0))
   args += [states, dhT.astype(f32).reshape(p.batch, H * P, N)]
   in_specs += [pl.BlockSpec((None, None, hb * P, N), lambda b, h, c: (b, rc(c), h, 0)), state_spec]

@@ -515,13 +515,6 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
   hpg = p.heads_per_group
   gb = max(1, hb // hpg)
   f32 = jnp.float32
-  pad = Tp - p.seq
-  # per-token scalars: chunk-local cumulative sums of the log-decay, and the input scale (f32, padded)
-  a = jnp.pad(logdecay.astype(f32), ((0, 0), (0, pad), (0, 0)))
-  cs = jnp.cumsum(a.reshape(p.batch, nc, L, H), axis=2).reshape(p.batch, Tp, H)
-  sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
-  rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
-  cols = lambda v: jnp.swapaxes(v.reshape(p.batch, Tp, H // hb, hb), 1, 2)  # noqa: E731  [b, head blocks, t, hb]
   # tokens last (x^T per head): a bitcast when XLA lays x out with seq minor, as it does for head_dim < 128
   xt = jnp.transpose(x, (0, 2, 3, 1))  # [b, h, p, t]
   bt, ct = jnp.transpose(B, (0, 2, 3, 1)), jnp.transpose(C, (0, 2, 3, 1))  # [b, g, n, t]
@@ -531,20 +524,11 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
       pl.BlockSpec((None, hb, P, L), lambda b, h, c: (b, h, 0, c)),
       pl.BlockSpec((None, gb, N, L), lambda b, h, c: (b, gmap(h), 0, c)),
       pl.BlockSpec((None, gb, N, L), lambda b, h, c: (b, gmap(h), 0, c)),
-      pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
-      pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, c)),
-      pl.BlockSpec((None, None, L, hb), lambda b, h, c: (b, h, c, 0)),
   ]
-  args = [xt, bt, ct, rows(cs), rows(sc), cols(cs)]
-  if p.has_reset:
-    r = jnp.pad(reset, ((0, 0), (0, pad))).reshape(p.batch, nc, L).astype(jnp.int32)
-    seg = jnp.cumsum(r, axis=2).astype(f32).reshape(p.batch, Tp)
-    args += [seg.reshape(p.batch, 1, Tp), seg.reshape(p.batch, Tp, 1)]
-    in_specs += [pl.BlockSpec((None, 1, L), lambda b, h, c: (b, 0, c)),
-                 pl.BlockSpec((None, L, 1), lambda b, h, c: (b, c, 0))]
-  if p.has_d:
-    args.append(_ssd_bwd.d_rows(D, H, L))
-    in_specs.append(pl.BlockSpec((hb, 1, L), lambda b, h, c: (h, 0, 0)))
+  # per-token scalars (chunk-local cumulative sums of the log-decay, the input scale, resets, D)
+  scalars, scalar_specs = _ssd_bwd.token_operands(logdecay, scale, reset, D, p, L, nc, hb, lambda c: c)
+  in_specs += scalar_specs
+  args = [xt, bt, ct] + scalars
   state_spec = pl.BlockSpec((None, hb * P, N), lambda b, h, c: (b, h, 0))
   args.append(h0.astype(f32).reshape(p.batch, H * P, N))
   in_specs.append(state_spec)
