@@ -246,6 +246,18 @@ def _backward_kernel(*refs, p, plan):
     dh0_ref[...] = dh_ref[...]
 
 
+def chunk_cumsum(a, axis: int = 2, reverse: bool = False):
+  """Cumulative sums along ``axis`` of ``a`` (f32 or f64; a chunk's tokens), as one matmul with a triangle
+  of ones at full precision: the products are exact and the sums are float additions, as in a sequential
+  cumsum. (XLA:TPU lowers ``jnp.cumsum`` to a reduce-window as wide as the chunk: L additions per element.)
+  ``reverse``: the sums over the tokens at or after each one."""
+  L = a.shape[axis]
+  m, l = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+  tri = ((m >= l) if reverse else (m <= l)).astype(a.dtype)  # [source m, target l]
+  out = jnp.tensordot(a, tri, axes=((axis,), (0,)), precision=lax.Precision.HIGHEST)
+  return jnp.moveaxis(out, -1, axis)
+
+
 def token_operands(logdecay, scale, reset, D, p, L: int, nc: int, hb: int, chunk):
   """The per-token operands both kernels read after their token blocks, and their BlockSpecs
   (``chunk(c)``: the chunk of grid step ``c``): the chunk-local cumulative sums of the log-decay
@@ -256,7 +268,7 @@ def token_operands(logdecay, scale, reset, D, p, L: int, nc: int, hb: int, chunk
   H, Tp = p.heads, nc * L
   pad = Tp - p.seq
   a = jnp.pad(logdecay.astype(f32), ((0, 0), (0, pad), (0, 0)))
-  cs = jnp.cumsum(a.reshape(p.batch, nc, L, H), axis=2).reshape(p.batch, Tp, H)
+  cs = chunk_cumsum(a.reshape(p.batch, nc, L, H)).reshape(p.batch, Tp, H)
   sc = jnp.pad(scale.astype(f32), ((0, 0), (0, pad), (0, 0)))
   rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(p.batch, H, 1, Tp)  # noqa: E731
   row = pl.BlockSpec((None, hb, 1, L), lambda b, h, c: (b, h, 0, chunk(c)))
@@ -345,7 +357,7 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
   dB, dC = fold(db), fold(dc)
   # d(log-decay)_t = sum of dcs over the chunk's tokens u >= t (a reverse cumulative sum within each chunk)
   dcs = dcs.reshape(p.batch, H, nc, L)
-  dlog = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1).reshape(p.batch, H, Tp)[:, :, :p.seq]
+  dlog = chunk_cumsum(dcs, axis=3, reverse=True).reshape(p.batch, H, Tp)[:, :, :p.seq]
   dscale = dsc.reshape(p.batch, H, Tp)[:, :, :p.seq]
   dD = None if dd is None else dd.reshape(p.batch, H, Tp).sum(axis=(0, 2))
   return dx, jnp.swapaxes(dscale, 1, 2), jnp.swapaxes(dlog, 1, 2), dB, dC, dD, dh0

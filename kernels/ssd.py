@@ -316,7 +316,7 @@ def _chunked_core(x, scale, logdecay, B, C, D, h0, reset, chunk: int):
   Bc = padt(B).reshape(batch, nc, L, groups, n)
   Cc = padt(C).reshape(batch, nc, L, groups, n)
   sc = padt(scale.astype(f)).reshape(batch, nc, L, heads)
-  cs = jnp.cumsum(padt(logdecay.astype(f)).reshape(batch, nc, L, heads), axis=2)  # [b,c,l,h]
+  cs = _ssd_bwd.chunk_cumsum(padt(logdecay.astype(f)).reshape(batch, nc, L, heads))  # [b,c,l,h]
   if reset is None:
     seg = jnp.zeros((batch, nc, L), jnp.int32)
   else:
