@@ -55,7 +55,8 @@ update ``(w x)^T B``, with ``C^T`` or ``B`` stationary and ``heads_per_step * he
 rows streamed.
 
 *Per-token scalars.* The chunk-local cumulative sums of ``dt * A`` (f32, computed by XLA:
-``O(seq x heads)``, 1/head_dim of ``x``) and ``dt`` reach the kernel as rows ``[batch, heads,
+``O(seq x heads)``, 1/head_dim of ``x``, as a matmul with a triangle of ones, because
+``jnp.cumsum`` lowers to a reduce-window that costs L additions per element) and ``dt`` reach the kernel as rows ``[batch, heads,
 1, seq]`` (along lanes, the ``t`` axis), and the sums once more as columns ``[batch, head
 blocks, seq, heads_per_step]`` (along sublanes: the ``s`` axis of ``S^T``).
 
@@ -71,10 +72,10 @@ per-token scalars are padded with zeros by XLA.
 
 *Chunk size and heads per step* (``kernels/data/ssd_blocks.json``, ``tools/tune_ssd.py``):
 without a table entry the chunk is the MXU width (128 on v4/v5e/v5p, 256 on v6e). The
-tuning (compiler estimates) found 128 faster on v6e too: the intra-chunk work per token
-(the ``L x L`` decay matrices on the VPU, ``S^T`` loaded into the MXU per head) grows
-with ``L``. ``heads_per_step`` is tuned so that a grid step carries enough work to hide
-its overhead.
+tuning (compiler estimates) keeps 128 on v6e too, where 256 only ties: the intra-chunk
+work per token (the ``L x L`` decay matrices on the VPU, ``S^T`` loaded into the MXU per
+head) grows with ``L``, and a chunk wider than the MXU is not a candidate. More heads per
+step let the state's matmuls stream more rows past one stationary ``C^T`` or ``B``.
 
 *Backward* (``custom_vjp``), two of them, chosen by ``backward=`` (None: ``DEFAULT_BACKWARD``):
 

@@ -6,15 +6,21 @@ measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is the floo
 never less than the program's counted HBM bytes at the published bandwidth).
 
 The problem is Mamba-2's: batch 1, ``seq`` 8192, 32 heads x 64 head_dim, state 128, one group, bf16 ``x``, ``B``,
-``C`` (f32 ``dt`` and ``A``), with ``D``. libtpu's static profile of the kernel at seq 8192 needs more RAM than
-this machine can give one job (a first try was killed at 24 GB), so the programs are estimated on *slices* of
-the sequence (``--seq`` for tune, ``--seqs`` for bench) and every time is scaled by ``8192 / seq`` (``scale`` in
-each record). The kernel's grid does the same work in every step, so its time is linear in ``seq``; XLA's
-program need not be (it may fuse or lay out differently at another size), so bench estimates two slices and
-keeps both, and the notebook shows how the scaled times move with the slice.
+``C`` (f32 ``dt`` and ``A``), with ``D``. Every program is estimated at the full sequence (``--seq``/``--seqs``
+may ask for a slice, whose times are then scaled by ``8192 / seq``, the ``scale`` of each record, but a slice
+misleads: the model charges every XLA op a fixed cost that a scaled slice multiplies, and XLA lays out and
+fuses a small program differently). The forward takes seconds to a minute; the static profile of a forward +
+backward of ours at 8192 tokens needs more than this machine's 24 GB, so ``bench`` extrapolates ours' forward +
+backward from slices of 2048 and 4096 tokens, fitting ``a + b * seq`` to each of the model's time and the floor
+(:func:`estimate_affine`; the records say so in ``method``). The peer's forward + backward fits at the full size
+on v5e (about 12 GB), while its 4096-token slice did not (the profile's memory is not monotonic in the size); on
+v6e neither fits, and it was extrapolated from 1024 and 2048 tokens (``--affine-impls chunked_xla --affine 1024
+2048``). ``--check-affine`` runs the extrapolation on the forwards, whose full-size estimates exist.
 
 * ``tune`` -> ``ssd_blocks.json``: on v5e and v6e, forward alone, every chunk in {128, 256} and heads per step
-  in {8, 16, 32}; the fastest wins (within 1%: the smaller VMEM plan). v5p and v4 copy v5e's choice.
+  in {8, 16, 32}; the fastest wins (within 1%: the smaller VMEM plan) among chunks no wider than the MXU (a
+  wider chunk only adds vector work, so a gain the model gives it has no physical reason). v5p and v4 copy
+  v5e's choice.
 * ``bench`` -> ``ssd_bench.json``: on v5e and v6e, forward and forward + backward: ours (default blocks; forward +
   backward once with each backward, the Pallas reverse pass ``kernels/_ssd_bwd.py`` and the VJP of the chunked XLA
   algorithm, keys ``ours+pallas_bwd`` / ``ours+xla_bwd`` and field ``backward``) and
@@ -56,8 +62,9 @@ GENERATIONS = ("v5e", "v6e")
 CHUNKS = (128, 256)
 HEADS_PER_STEP = (8, 16, 32)
 TIE = 0.01
-KERNEL_VERSION = 4  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward; 3: D as per-head rows;
+KERNEL_VERSION = 5  # 1: forward kernel (slabs of 128 lanes, heads unrolled per step); 2: + Pallas backward; 3: D as per-head rows;
 # 4: the backward sums Q over sublanes on the VPU
+# 5: chunk-local cumulative sums as a matmul with a triangle of ones, not jnp.cumsum
 BACKWARDS = ("pallas", "xla")  # ours' backward in fwdbwd records: kernels/_ssd_bwd.py or ssd_chunked_xla's VJP
 
 
@@ -109,7 +116,7 @@ def _program(cfg):
 def estimate(cfg) -> dict:
   """One estimate at ``cfg["seq"]`` tokens, every time scaled to SHAPE's seq."""
   fn, args = _program(cfg)
-  chunk = cfg.get("chunk_size") or 128
+  chunk = cfg.get("chunk_size") or ssd.default_block_sizes(cfg["generation"]).chunk_size
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(cfg["seq"], chunk, cfg["mode"]),
                            bytes_accessed=bytes_moved(cfg["seq"], cfg["mode"]))
   r = e.record()
@@ -124,6 +131,35 @@ def estimate(cfg) -> dict:
 
 def estimate_isolated(cfg) -> dict:
   return result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)])
+
+
+def estimate_affine(cfg, seqs) -> dict:
+  """The full sequence's estimate extrapolated from two slices, for programs whose static profile at the full
+  size needs more RAM than this machine has: the model's time and the floor are each fitted as ``a + b * seq``
+  through the two slices (a fixed cost is not multiplied, unlike a scaled slice), then floored as usual."""
+  s1, s2 = seqs
+  r1, r2 = (estimate_isolated(dict(cfg, seq=s)) for s in (s1, s2))
+  if "us" not in r1 or "us" not in r2:
+    return r2 if "us" not in r2 else r1
+  full = SHAPE["seq"]
+
+  def at(k):  # the records hold slice times scaled by full / seq: unscale, then fit a line through the two
+    y1, y2 = r1[k] * s1 / full, r2[k] * s2 / full
+    return y1 + (y2 - y1) * (full - s1) / (s2 - s1)
+
+  r = dict(r2)
+  for k in ("model_us", "floor_us"):
+    r[k] = round(at(k), 3)
+  r["hbm_bytes"] = int(round(at("hbm_bytes")))
+  r["us"] = max(r["model_us"], r["floor_us"])
+  r["floored"] = r["floor_us"] > r["model_us"]
+  chunk = cfg.get("chunk_size") or ssd.default_block_sizes(cfg["generation"]).chunk_size
+  roof = roofline(cfg["generation"], cfg["mode"], chunk)
+  r["fraction_of_roofline"] = round(max(roof["hbm_us"], roof["mxu_us"]) / r["us"], 4)
+  r["valid"] = bool(r1.get("valid", True) and r2.get("valid", True) and r["fraction_of_roofline"] <= 1.0)
+  r.update(scale=None, estimated_seq=None, affine_from={str(s1): r1, str(s2): r2},
+           method=f"affine extrapolation to {full} tokens from slices of {s1} and {s2}")
+  return r
 
 
 def roofline(gen: str, mode: str, chunk: int) -> dict:
@@ -146,7 +182,7 @@ def tune(args):
   table["description"] = (
       "Default chunk_size and heads_per_step of kernels.ssd per TPU generation, chosen from compiler estimates "
       "(libtpu's static cost model, floored at the HBM bandwidth; estimates, not measurements) of the forward at "
-      f"{SHAPE} bf16, estimated on a slice of the sequence and scaled to it (see tools/tune_ssd.py). Within 1% "
+      f"{SHAPE} bf16, estimated at the full sequence (see tools/tune_ssd.py). Within 1% "
       "of the fastest, the smaller VMEM plan wins. v5p and v4 copy v5e (not swept; v4 has no cost model).")
   defaults = table.setdefault("defaults", {})
   for gen in args.generations:
@@ -156,7 +192,10 @@ def tune(args):
         cfg = dict(generation=gen, impl="ours", mode="fwd", seq=args.seq, chunk_size=L, heads_per_step=hb)
         sweep[(L, hb)] = r = estimate_isolated(cfg)
         print(gen, L, hb, r.get("us"), r.get("model_us"), r.get("error", ""), flush=True)
-    scores = {k: r["us"] for k, r in sweep.items() if "us" in r and r.get("valid", True)}
+    # A chunk wider than the MXU (256 on v5e) doubles the intra-chunk vector work per token for no MXU gain:
+    # whatever the model says of it has no physical reason, so it is swept and recorded but not eligible.
+    scores = {k: r["us"] for k, r in sweep.items() if "us" in r and r.get("valid", True)
+              and k[0] <= ssd._mxu_chunk(gen)}
     if not scores:
       print(f"{gen}: no candidate estimated; entry left as it was", flush=True)
       continue
@@ -179,8 +218,8 @@ def bench(args):
   table = result_tables.load(BENCH_OUT) or _header("")
   table["description"] = (
       f"kernels.ssd against the plain-JAX chunked SSD (kernels.ssd.ssd_chunked_xla) at {SHAPE}, bf16 x, B, C, f32 "
-      "state: compiler estimates (libtpu's static cost model), not measurements, made on a slice of estimated_seq "
-      "tokens and scaled by `scale` to the full sequence (both programs' work is the same for every chunk). us is "
+      "state: compiler estimates (libtpu's static cost model), not measurements, made at estimated_seq tokens "
+      "(the full sequence: scale 1). us is "
       "the floored estimate: the model's time (model_us), never less than the program's counted HBM bytes at the "
       "published bandwidth (floor_us). roofline: hbm_us (compulsory bytes at the published bandwidth) and mxu_us "
       "(the chunked algorithm's useful matmul FLOPs, at the generation's default chunk, at the bf16 peak; forward + "
@@ -211,7 +250,10 @@ def bench(args):
               cfg["chunk_size"] = L
             if backward is not None:
               cfg["backward"] = backward
-            r = estimate_isolated(cfg)
+            if mode in args.affine_modes and impl in args.affine_impls:
+              r = estimate_affine(cfg, args.affine)
+            else:
+              r = estimate_isolated(cfg)
             r.update(cfg)
             if impl == "ours":
               r["kernel"] = KERNEL_VERSION
@@ -219,6 +261,30 @@ def bench(args):
             results[key] = r
             print(key, r.get("us"), r.get("model_us"), r.get("floor_us"), r.get("error", ""), flush=True)
             result_tables.save(table, BENCH_OUT)
+  if args.check_affine:
+    check_affine(table, args)
+
+
+def check_affine(table, args):
+  """How far the affine extrapolation lands from a full-size estimate, on the forwards (whose full-size
+  estimates fit in RAM): ``affine_check`` in the table, one entry per program, both floored times."""
+  check = table.setdefault("affine_check", {})
+  full = SHAPE["seq"]
+  for gen in args.generations:
+    for impl, L in (("ours", None), ("chunked_xla", 256)):
+      name = impl if L is None else f"{impl}@{L}"
+      ref = table["results"].get(f"{gen}/{name}/fwd/{full}", {})
+      if "us" not in ref:
+        continue
+      cfg = dict(generation=gen, impl=impl, mode="fwd", seq=full)
+      if L is not None:
+        cfg["chunk_size"] = L
+      r = estimate_affine(cfg, args.affine)
+      if "us" in r:
+        check[f"{gen}/{name}/fwd"] = {"full_us": ref["us"], "affine_us": r["us"], "ratio": round(r["us"] / ref["us"], 4),
+                                      "slices": list(args.affine)}
+        print("affine check", gen, name, ref["us"], r["us"], flush=True)
+      result_tables.save(table, BENCH_OUT)
 
 
 def main(argv=None):
@@ -226,10 +292,15 @@ def main(argv=None):
   ap.add_argument("job", choices=("tune", "bench", "one"))
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
-  ap.add_argument("--seq", type=int, default=1024, help="(tune) tokens estimated (times scaled to SHAPE's seq)")
-  ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096],
-                  help="(bench) the slices estimated, each scaled to SHAPE's seq")
+  ap.add_argument("--seq", type=int, default=SHAPE["seq"], help="(tune) tokens estimated (times scaled to SHAPE's seq)")
+  ap.add_argument("--seqs", type=int, nargs="*", default=[SHAPE["seq"]],
+                  help="(bench) the sequence lengths estimated, each scaled to SHAPE's seq")
   ap.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"])
+  ap.add_argument("--affine-modes", nargs="*", default=["fwdbwd"],
+                  help="(bench) modes extrapolated from two slices (their full-size profile needs too much RAM)")
+  ap.add_argument("--affine-impls", nargs="*", default=["ours"], help="(bench) programs extrapolated in those modes")
+  ap.add_argument("--affine", type=int, nargs=2, default=[2048, 4096], help="(bench) the two slices")
+  ap.add_argument("--check-affine", action="store_true", help="(bench) compare the extrapolation with full-size forwards")
   ap.add_argument("--backwards", nargs="*", default=list(BACKWARDS), help="(bench) ours' backwards estimated")
   ap.add_argument("--impls", nargs="*", default=["ours", "chunked_xla"], help="(bench) programs estimated")
   ap.add_argument("--chunks", type=int, nargs="*", default=list(CHUNKS), help="(bench) chunked_xla's chunks")
