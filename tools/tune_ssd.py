@@ -113,10 +113,15 @@ def _program(cfg):
   return fwdbwd, args + [args[0]]
 
 
+def _chunk(cfg) -> int:
+  """The chunk a configuration runs at: its own, or ours' default for its generation."""
+  return cfg.get("chunk_size") or ssd.default_block_sizes(cfg["generation"]).chunk_size
+
+
 def estimate(cfg) -> dict:
   """One estimate at ``cfg["seq"]`` tokens, every time scaled to SHAPE's seq."""
   fn, args = _program(cfg)
-  chunk = cfg.get("chunk_size") or ssd.default_block_sizes(cfg["generation"]).chunk_size
+  chunk = _chunk(cfg)
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(cfg["seq"], chunk, cfg["mode"]),
                            bytes_accessed=bytes_moved(cfg["seq"], cfg["mode"]))
   r = e.record()
@@ -153,7 +158,7 @@ def estimate_affine(cfg, seqs) -> dict:
   r["hbm_bytes"] = int(round(at("hbm_bytes")))
   r["us"] = max(r["model_us"], r["floor_us"])
   r["floored"] = r["floor_us"] > r["model_us"]
-  chunk = cfg.get("chunk_size") or ssd.default_block_sizes(cfg["generation"]).chunk_size
+  chunk = _chunk(cfg)
   roof = roofline(cfg["generation"], cfg["mode"], chunk)
   r["fraction_of_roofline"] = round(max(roof["hbm_us"], roof["mxu_us"]) / r["us"], 4)
   r["valid"] = bool(r1.get("valid", True) and r2.get("valid", True) and r["fraction_of_roofline"] <= 1.0)
@@ -219,7 +224,7 @@ def bench(args):
   table["description"] = (
       f"kernels.ssd against the plain-JAX chunked SSD (kernels.ssd.ssd_chunked_xla) at {SHAPE}, bf16 x, B, C, f32 "
       "state: compiler estimates (libtpu's static cost model), not measurements, made at estimated_seq tokens "
-      "(the full sequence: scale 1). us is "
+      "(the full sequence: scale 1), or extrapolated from two slices where a record's `method` says so. us is "
       "the floored estimate: the model's time (model_us), never less than the program's counted HBM bytes at the "
       "published bandwidth (floor_us). roofline: hbm_us (compulsory bytes at the published bandwidth) and mxu_us "
       "(the chunked algorithm's useful matmul FLOPs, at the generation's default chunk, at the bf16 peak; forward + "
