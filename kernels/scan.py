@@ -336,7 +336,9 @@ def linear_scan_reference(a, b, *, h0=None, reverse=False, reset=None, return_fi
 # The Pallas kernels
 # ---------------------------------------------------------------------------------
 
-TILE_ELEMENTS = 4096  # a tile is rows x (4096 / rows) lanes: four f32 vector registers per plane
+# A tile is rows x (16384 / rows / planes) lanes: 16 f32 vector registers per operand, so each
+# dependent step of the log scan has 16 independent registers to issue while the last one finishes.
+TILE_ELEMENTS = 16384
 UNROLL = 4  # tiles unrolled per fori_loop step
 
 
@@ -367,41 +369,47 @@ def _roll(v, shift: int, rows: int):
   return tuple(pltpu.roll(u, shift % rows, 0) for u in v)
 
 
-def _tile_scan(A, B, rows: int, down: bool):
-  """Log-step scan of the tile's pairs (A, B), each row meaning ``h = A * h_before + B``: returns
-  the pairs composed with every row before them (above if ``down``, below otherwise)."""
-  row = lax.broadcasted_iota(jnp.int32, A[0].shape, 0)
-  k = 1
-  while k < rows:
-    has = row >= k if down else row < rows - k
-    As = _identity(_roll(A, k if down else -k, rows), has, one=True)
-    Bs = _identity(_roll(B, k if down else -k, rows), has, one=False)
-    A, B = _mul(A, As), _add(_mul(A, Bs), B)
-    k *= 2
-  return A, B
-
-
 def _scan_rows(A, B, carry, down: bool):
   """``h = A * h_before + B`` over the rows of a tile from ``carry`` (the state before its first
-  row processed): each 8-row group (one f32 vector register per 128 lanes) by a 3-step
-  :func:`_tile_scan`, the groups chained through the carry (a 16-row bf16 tile: 3 log steps per
-  group and a carry combine, not 4 log steps). Returns (h, the carry after the tile)."""
+  row processed). Returns (h, the carry after the tile).
+
+  Each 8-row group (one f32 vector register per 128 lanes) takes the carry into its first row,
+  ``B <- A * carry + B`` with that row's gate set to 0, and then three log steps of
+  ``(A, B) <- (A * A', A * B' + B)``, where ``'`` is the pair rolled 1, 2, 4 rows. The rolls are
+  cyclic, but what wraps around always lands on a row whose gate product already holds that 0, so
+  no step needs a mask, and after the last step B is h itself. (A value that wraps is multiplied by
+  0: an inf or NaN in a row also reaches the up to 7 rows of its group before it. Finite inputs are
+  exact.) The groups are chained through the carry."""
   rows = A[0].shape[0]
-  groups = list(range(0, rows, tiling.SUBLANES))
+  sub = tiling.SUBLANES
+  row = lax.broadcasted_iota(jnp.int32, (sub,) + A[0].shape[1:], 0)
+  first = row == (0 if down else sub - 1)
+  groups = list(range(0, rows, sub))
   h_of = {}
   for g in (groups if down else groups[::-1]):
-    at = slice(g, g + tiling.SUBLANES)
-    a, b = _tile_scan(tuple(u[at] for u in A), tuple(u[at] for u in B), tiling.SUBLANES, down)
-    h_of[g] = _add(_mul(a, carry), b)
-    carry = tuple(v[tiling.SUBLANES - 1:] if down else v[:1] for v in h_of[g])
+    at = slice(g, g + sub)
+    a, b = tuple(u[at] for u in A), tuple(u[at] for u in B)
+    b = tuple(jnp.where(first, u, v) for u, v in zip(_add(_mul(a, carry), b), b))
+    a = tuple(jnp.where(first, 0.0, u) for u in a)
+    k = 1
+    while k < sub:
+      shift = k if down else -k
+      bs = _roll(b, shift, sub)
+      if 2 * k < sub:  # (the last step needs no gate product)
+        a, b = _mul(a, _roll(a, shift, sub)), _add(_mul(a, bs), b)
+      else:
+        b = _add(_mul(a, bs), b)
+      k *= 2
+    h_of[g] = b
+    carry = tuple(v[sub - 1:] if down else v[:1] for v in b)
   h = tuple(jnp.concatenate([h_of[g][i] for g in groups], axis=0) if len(groups) > 1 else h_of[0][i]
             for i in range(len(A)))
   return h, carry
 
 
-def _lane_slices(wb: int, rows: int):
+def _lane_slices(wb: int, rows: int, planes: int):
   """Static (offset, size) lane slices of a width block."""
-  size = max(tiling.LANES, TILE_ELEMENTS // rows)
+  size = max(tiling.LANES, TILE_ELEMENTS // (rows * planes) // tiling.LANES * tiling.LANES)
   return [(o, min(size, wb - o)) for o in range(0, wb, size)]
 
 
@@ -466,7 +474,7 @@ def _forward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int, save_st
   ragged = p.seq % tc != 0
   first = _chunk_index(p, n_chunks, False)(c) * tc  # (program_id outside the loop: interpret mode)
   down = not p.reverse
-  for off, ls in _lane_slices(wb, rows):
+  for off, ls in _lane_slices(wb, rows, p.planes):
     lanes = pl.ds(off, ls)
 
     def tile(k, carry, lanes=lanes, ls=ls):
@@ -515,7 +523,7 @@ def _backward_kernel(*refs, p: _Problem, tc: int, wb: int, n_chunks: int):
   n_tiles = tc // rows
   ragged_lanes = p.width % wb != 0 and p.gate == "token"  # stale lanes must stay out of the lane sums
   lane0 = pl.program_id(1) * wb
-  for s, (off, ls) in enumerate(_lane_slices(wb, rows)):
+  for s, (off, ls) in enumerate(_lane_slices(wb, rows, p.planes)):
     lanes = pl.ds(off, ls)
     starts = tuple(sr[:, lanes] for sr in start_refs)
 

@@ -154,6 +154,22 @@ def test_long_sequence_in_few_chunks():
   np.testing.assert_allclose(f64(last), want_last, **TOL["float32"])
 
 
+@pytest.mark.parametrize("kind,dtype,reverse", [("full", jnp.bfloat16, False), ("token", jnp.float32, True),
+                                                 ("time", jnp.bfloat16, True)])
+def test_wide_width_block_in_several_lane_slices(kind, dtype, reverse):
+  # One 2200-wide block: the kernels walk it in lane slices of 16 vector registers per operand
+  # (bf16: 1024 + 1024 + 152 lanes; f32: 2048 + 152), each slice's carry kept apart; forward
+  # and backward, with resets.
+  w = 2200
+  a, b, h0, reset = gate(kind, dtype, b=1, w=w), rand((1, T, w), dtype), rand((1, w), seed=3), resets(b=1)
+  kw = dict(reverse=reverse, reset=reset)
+  h, vjp = jax.vjp(lambda a, b, h0: call(a, b, h0=h0, block_sizes=BlockSizes(16, w), **kw), a, b, h0)
+  assert_close(h, oracle(a, b, h0, reverse, reset)[0], dtype)
+  dy = rand(b.shape, dtype, seed=4)
+  want = jax.vjp(lambda a, b, h0: linear_scan_reference(a, b, h0=h0, **kw), a, b, h0)[1](dy)
+  assert_grads_close(vjp(dy), want, dtype)
+
+
 def test_complex_arrays_and_planes():
   # An LRU: complex time-invariant gate of modulus < 1, complex inputs.
   W2 = 128  # (2 seq chunks, the last partial; one width block)

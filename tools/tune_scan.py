@@ -51,7 +51,7 @@ GENERATIONS = ("v5e", "v6e")
 SEQ_CHUNKS = (128, 256, 512, 1024)
 WIDTH_BLOCKS = (512, 1024, 2048)
 TIE = 0.01
-KERNEL_VERSION = 2  # 1: log-step tile scan over 16-row bf16 tiles, start states saved for the backward; 2: 8-row groups chained (2026-11-25)
+KERNEL_VERSION = 3  # 1: log-step tile scan over 16-row bf16 tiles, start states saved for the backward; 2: 8-row groups chained (2026-11-25); 3: carry folded into each group's first row (no masks), tiles of 16 vector registers per operand (2026-11-26)
 
 
 def bytes_moved(cfg) -> int:
