@@ -22,16 +22,18 @@ while the seq chunks run in order. The f32 state of the block's lanes lives in a
 scratch ``[1, width_block]`` across the chunks, set to ``h0`` at the first chunk.
 
 *Inside a block.* The rows are processed a *tile* at a time: 8 rows for f32 operands,
-16 when an operand is bf16 (the native tile of a packed dtype), by a few hundred lanes
-(four f32 vector registers per operand). Each 8-row group of a tile (one f32 vector
-register per 128 lanes) is a log-step (Hillis-Steele) scan held in registers: each row
-holds a pair ``(A, B)`` meaning ``h = A * h_before + B``; 3 steps combine each row with
-the row ``k`` = 1, 2, 4 above it (rolled along sublanes; rows with no such row take the
-identity ``(1, 0)``), ``(A, B) <- (A * A_k, A * B_k + B)``. Then ``h = A * carry + B``
-for the group and the carry becomes its last row; a 16-row tile chains its two groups
-so (one log step fewer than scanning all 16 rows). Tiles run in a ``lax.fori_loop`` (a
-few unrolled), for each slice of lanes in turn, so the carry of one slice is a few
-registers.
+16 when an operand is bf16 (the native tile of a packed dtype), by up to a couple of
+thousand lanes (16 f32 vector registers per operand). Each 8-row group of a tile (one f32
+vector register per 128 lanes) is a log-step (Hillis-Steele) scan held in registers:
+each row holds a pair ``(A, B)`` meaning ``h = A * h_before + B``. The carry enters
+first: the group's first row becomes ``(0, A * carry + B)``. Then 3 steps combine each
+row with the row ``k`` = 1, 2, 4 above it (rolled along sublanes),
+``(A, B) <- (A * A_k, A * B_k + B)``, and ``B`` is ``h``. The rolls wrap around, but what
+wraps always lands on a row whose product ``A`` already holds the first row's 0, so no
+step needs a mask: 3 vector operations a step, not 5. A 16-row tile chains its
+two groups; the carry becomes the last row. Each step depends on the one before, so a
+tile is wide: the 16 registers of a step issue while the first ones are still in flight.
+Tiles run in a ``lax.fori_loop`` (a few unrolled), for each slice of lanes in turn.
 
 *Gates.* ``a`` may be ``[B, T, W]``; ``[B, T, 1]`` (one gate per token, broadcast
 across lanes); or ``[W]`` (time-invariant, one ``(1, width_block)`` block). A
@@ -816,6 +818,11 @@ def linear_scan(a, b, *, h0=None, reverse=False, reset=None, return_final_state=
   ``a=(a_re, a_im)``, ``b=(b_re, b_im)``, ``h0=(h0_re, h0_im)`` (each plane real, float32
   or bfloat16): ``h`` (and the final state) come back as pairs, and no complex array is
   ever built in HBM. float64 (with x64 enabled) runs on the XLA path only.
+
+  Non-finite inputs: the Pallas kernel's in-register scan multiplies some values by an exact
+  0 (see the module's notes), so an inf or NaN in ``a`` or ``b`` at one step may also turn
+  up to 7 of the steps processed just before it into NaN (the reference leaves them
+  finite). Every step processed after it is non-finite on both paths.
 
   Returns:
     ``h``, every state, ``[batch, seq, width]`` in ``b``'s dtype; with
