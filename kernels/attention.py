@@ -392,8 +392,8 @@ def _to_bhsd(x, layout):
   return jnp.swapaxes(x, 1, 2) if layout == "BSHD" else x
 
 
-def _reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem):
-  """Canonical BHSD in, (out BHSD in q's dtype, lse [B, H, Sq] f32) out."""
+def _scores(q, k, bias, seg_q, seg_kv, mask, *, p: _Problem):
+  """Canonical BHSD q, k -> the f32 logits ``[B, H, Sq, Skv]``, ``NEG_INF`` where masked."""
   q5 = q.reshape(p.b, p.kvh, p.group, p.sq, p.d)
   s = jnp.einsum("bkgqd,bksd->bkgqs", q5, k, preferred_element_type=jnp.float32) * p.scale
   s = _soft_cap(s, p.softcap)
@@ -408,7 +408,12 @@ def _reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem):
     vis = vis & (seg_q[:, None, :, None] == seg_kv[:, None, None, :])
   if mask is not None:
     vis = vis & mask
-  s = jnp.where(vis, s, NEG_INF)
+  return jnp.where(vis, s, NEG_INF)
+
+
+def _reference(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem):
+  """Canonical BHSD in, (out BHSD in q's dtype, lse [B, H, Sq] f32) out."""
+  s = _scores(q, k, bias, seg_q, seg_kv, mask, p=p)
   m = jnp.max(s, axis=-1, keepdims=True)
   if sinks is not None:
     m = jnp.maximum(m, sinks.astype(jnp.float32)[None, :, None, None])
@@ -476,6 +481,36 @@ def _float0(x):
   return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
+def _pallas_grads(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse, do, *, p: _Problem, blocks,
+                  interpret):
+  """The backward kernels: (dq, dk, dv, dsinks, dbias) in the caller's layout, given the softmax's ``lse``
+  ``[B, H, Sq]`` and the output ``out`` it normalised (``delta = rowsum(dO * out)``). ``out`` and ``lse``
+  may be those of a larger attention that this call's keys are part of (ring attention's blocks): the
+  gradients are then this block's share."""
+  bplan = _plan(p, blocks, backward=True)
+  # A row with nothing visible has lse = -inf; as +inf, exp(s - lse) is 0 for its (masked, -inf) logits.
+  # lse and delta are padded to whole q blocks (+inf, 0), so the dk/dv kernel, which reads them
+  # along lanes, never sees stale VMEM past q_len (0 * NaN would reach dk and dv).
+  pad = ((0, 0), (0, 0), (0, bplan.nq * bplan.bq - p.sq))
+  lse = jnp.pad(jnp.where(lse == NEG_INF, jnp.inf, lse), pad, constant_values=jnp.inf)
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)   # [B, H, Sq] or [B, Sq, H]
+  if p.layout == "BSHD":
+    delta = jnp.swapaxes(delta, 1, 2)
+  delta = jnp.pad(delta, pad)
+  dq, dk, dv, dlogits = _pallas_backward(
+      _in_layout(q, p, bplan), _in_layout(k, p, bplan), _in_layout(v, p, bplan), sinks, bias, seg_q, seg_kv, mask,
+      seed, lse, delta, _in_layout(do.astype(p.dtype), p, bplan), p=p, plan=bplan, interpret=interpret)
+  dq, dk, dv = _out_layout(dq, p, bplan, p.h), _out_layout(dk, p, bplan, p.kvh), _out_layout(dv, p, bplan, p.kvh)
+  dsinks = dbias = None
+  if sinks is not None:  # d lse_i / d sink = exp(sink - lse_i); d out_i / d sink = -out_i * that
+    w = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)   # 0 on the padding
+    dsinks = (-(w * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+  if bias is not None:
+    axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
+    dbias = (dlogits.sum(axis=axes, keepdims=True) if axes else dlogits).astype(bias.dtype)
+  return dq, dk, dv, dsinks, dbias
+
+
 def _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem, blocks, interpret,
                  return_residuals):
   """Caller-layout q, k, v -> out in the caller's layout (and lse with ``return_residuals``);
@@ -503,27 +538,8 @@ def _pallas_path(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Problem
   def f_bwd(res, cts):
     q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse = res
     do = cts[0] if return_residuals else cts  # the lse output is a residual for callers, not differentiated
-    bplan = _plan(p, blocks, backward=True)
-    # A row with nothing visible has lse = -inf; as +inf, exp(s - lse) is 0 for its (masked, -inf) logits.
-    # lse and delta are padded to whole q blocks (+inf, 0), so the dk/dv kernel, which reads them
-    # along lanes, never sees stale VMEM past q_len (0 * NaN would reach dk and dv).
-    pad = ((0, 0), (0, 0), (0, bplan.nq * bplan.bq - p.sq))
-    lse = jnp.pad(jnp.where(lse == NEG_INF, jnp.inf, lse), pad, constant_values=jnp.inf)
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)   # [B, H, Sq] or [B, Sq, H]
-    if p.layout == "BSHD":
-      delta = jnp.swapaxes(delta, 1, 2)
-    delta = jnp.pad(delta, pad)
-    dq, dk, dv, dlogits = _pallas_backward(
-        _in_layout(q, p, bplan), _in_layout(k, p, bplan), _in_layout(v, p, bplan), sinks, bias, seg_q, seg_kv, mask,
-        seed, lse, delta, _in_layout(do.astype(p.dtype), p, bplan), p=p, plan=bplan, interpret=interpret)
-    dq, dk, dv = _out_layout(dq, p, bplan, p.h), _out_layout(dk, p, bplan, p.kvh), _out_layout(dv, p, bplan, p.kvh)
-    dsinks = dbias = None
-    if sinks is not None:  # d lse_i / d sink = exp(sink - lse_i); d out_i / d sink = -out_i * that
-      w = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)   # 0 on the padding
-      dsinks = (-(w * delta).sum(axis=(0, 2))).astype(sinks.dtype)
-    if bias is not None:
-      axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
-      dbias = (dlogits.sum(axis=axes, keepdims=True) if axes else dlogits).astype(bias.dtype)
+    dq, dk, dv, dsinks, dbias = _pallas_grads(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, out, lse, do, p=p,
+                                              blocks=blocks, interpret=interpret)
     return dq, dk, dv, dsinks, dbias, _float0(seg_q), _float0(seg_kv), _float0(mask), _float0(seed)
 
   f.defvjp(f_fwd, f_bwd)
@@ -597,4 +613,56 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=N
 
   # both return out, or (out, lse) with return_residuals: the kernel writes lse only when it is used
   return dispatch("flash_attention", q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, pallas=pallas, xla=xla,
+                  implementation=implementation, interpret=interpret)
+
+
+# ---------------------------------------------------------------------------------
+# One block of a larger attention: the gradients given the whole softmax's lse (ring attention)
+# ---------------------------------------------------------------------------------
+
+
+def _reference_grads(q, k, v, seg_q, seg_kv, out, lse, do, *, p: _Problem):
+  """Pure-JAX :func:`_pallas_grads` (no bias, mask, sinks or dropout): ``ds = P * (dP - delta)`` with
+  ``P = exp(s - lse)``, pulled back through the logits' own VJP (scale, soft cap, masks)."""
+  q, k, v, do, out = (_to_bhsd(x, p.layout) for x in (q, k, v, do, out))
+  s, pull = jax.vjp(lambda q, k: _scores(q, k, None, seg_q, seg_kv, None, p=p), q, k)
+  lse = jnp.where(lse == NEG_INF, jnp.inf, lse)[..., None]
+  probs = jnp.exp(s - lse).reshape(p.b, p.kvh, p.group, p.sq, p.skv)
+  do5 = do.astype(jnp.float32).reshape(p.b, p.kvh, p.group, p.sq, p.d)
+  dv = jnp.einsum("bkgqs,bkgqd->bksd", probs, do5)
+  dp = jnp.einsum("bkgqd,bksd->bkgqs", do5, v.astype(jnp.float32))
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  ds = probs * (dp - delta.reshape(p.b, p.kvh, p.group, p.sq, 1))
+  dq, dk = pull(ds.reshape(s.shape))
+  return tuple(_to_bhsd(x, p.layout).astype(p.dtype) for x in (dq, dk, dv))
+
+
+def attention_block_grads(q, k, v, out, lse, do, *, causal=False, segment_ids=None, scale=None, layout="BSHD",
+                          block_sizes=None, implementation=None, interpret=None):
+  """``(dq, dk, dv)`` of the keys ``k``/``v`` as one block of a larger attention.
+
+  ``out`` (q's layout) and ``lse`` (``[batch, heads, q_len]`` f32) are the *whole* attention's output
+  and log-normaliser for these queries, over every key block; the result is the share of the
+  gradient that flows through this block: ``ds = exp(s - lse) * (dO v^T - rowsum(dO * out))``.
+  Summed over the blocks it is the gradient of the whole. Called with the attention's own ``out``
+  and ``lse`` it is :func:`flash_attention`'s backward. Ring attention (:mod:`kernels.distributed`)
+  calls it once per visiting key block. The Pallas path is the backward kernels of
+  :func:`flash_attention`; the XLA path the reference's logits and their VJP.
+  """
+  p, seg_q, seg_kv = _validate(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=None,
+                               logits_soft_cap=None, scale=scale, bias=None, mask=None, sinks=None,
+                               dropout_rate=0.0, dropout_key=None, layout=layout)
+  check(tuple(out.shape) == tuple(q.shape), "out", out, f"must have q's shape {tuple(q.shape)}")
+  check(tuple(do.shape) == tuple(q.shape), "do", do, f"must have q's shape {tuple(q.shape)}")
+  check(tuple(lse.shape) == (p.b, p.h, p.sq), "lse", lse, f"must have shape {(p.b, p.h, p.sq)} ([batch, heads, q_len])")
+  blocks = _check_blocks(block_sizes)
+
+  def pallas(q, k, v, seg_q, seg_kv, out, lse, do, interpret):
+    return _pallas_grads(q, k, v, None, None, seg_q, seg_kv, None, None, out, lse, do, p=p, blocks=blocks,
+                         interpret=interpret)[:3]
+
+  def xla(q, k, v, seg_q, seg_kv, out, lse, do):
+    return _reference_grads(q, k, v, seg_q, seg_kv, out, lse, do, p=p)
+
+  return dispatch("flash_attention (block gradients)", q, k, v, seg_q, seg_kv, out, lse, do, pallas=pallas, xla=xla,
                   implementation=implementation, interpret=interpret)
