@@ -302,16 +302,17 @@ def _ring(q, k, v, seg, *, axis_name, n, causal, zigzag, scale, layout, block_si
 
   def forward(q, k, v, seg):
     i = lax.axis_index(axis_name)
-    kv = (k, v, seg)
-    o = lse = None
-    for s in range(n):
-      nxt = _shift(kv, axis_name, n) if s < n - 1 else None  # in flight while this step computes
-      if s == 0:
-        o, lse = fwd_block(q, k, v, seg, seg, causal)
-      else:
-        o2, l2 = visiting_fwd(q, kv[0], kv[1], seg, kv[2], (i - s) % n < i)
-        o, lse = _merge(o, lse, o2, l2, to_layout)
-      kv = nxt
+    o, lse = fwd_block(q, k, v, seg, seg, causal)  # step 0: this device's own k/v
+
+    def step(s, carry):  # one loop body, so each kernel is compiled once whatever n is
+      o, lse, kv = carry
+      nxt = _shift(kv, axis_name, n)  # the next block in flight while this one computes
+      o2, l2 = visiting_fwd(q, kv[0], kv[1], seg, kv[2], (i - s) % n < i)
+      o, lse = _merge(o, lse, o2, l2, to_layout)
+      return o, lse, nxt
+
+    if n > 1:
+      o, lse, _ = lax.fori_loop(1, n, step, (o, lse, _shift((k, v, seg), axis_name, n)))
     return o.astype(q.dtype), lse
 
   @jax.custom_vjp
@@ -325,17 +326,18 @@ def _ring(q, k, v, seg, *, axis_name, n, causal, zigzag, scale, layout, block_si
   def f_bwd(res, do):
     q, k, v, seg, out, lse = res
     i = lax.axis_index(axis_name)
-    kv, dq, dkv = (k, v, seg), None, None
-    for s in range(n):
-      nxt = _shift(kv, axis_name, n) if s < n - 1 else None
-      if s == 0:
-        dq, dk, dv = grads_block(q, k, v, seg, seg, out, lse, do, causal)
-        dkv = (dk, dv)
-      else:
-        dq_s, dk, dv = visiting_grads(q, kv[0], kv[1], seg, kv[2], out, lse, do, (i - s) % n < i)
-        dq, dkv = dq + dq_s, (dkv[0] + dk, dkv[1] + dv)
-      dkv = _shift(dkv, axis_name, n)  # with its k/v block; after the last step, home
-      kv = nxt
+    dq, dk, dv = grads_block(q, k, v, seg, seg, out, lse, do, causal)
+    dkv = _shift((dk, dv), axis_name, n)  # the accumulators travel with their k/v block
+
+    def step(s, carry):
+      dq, dkv, kv = carry
+      nxt = _shift(kv, axis_name, n)
+      dq_s, dk, dv = visiting_grads(q, kv[0], kv[1], seg, kv[2], out, lse, do, (i - s) % n < i)
+      dkv = _shift((dkv[0] + dk, dkv[1] + dv), axis_name, n)  # after the last step: home
+      return dq + dq_s, dkv, nxt
+
+    if n > 1:
+      dq, dkv, _ = lax.fori_loop(1, n, step, (dq, dkv, _shift((k, v, seg), axis_name, n)))
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
   f.defvjp(f_fwd, f_bwd)
@@ -376,22 +378,28 @@ def all_gather_matmul(x, w, *, axis_name, bidirectional=True, out_dtype=None, bl
   mm = lambda a: matmul(a, w, out_dtype=out_dtype, block_sizes=block_sizes, implementation=implementation,  # noqa: E731
                         interpret=interpret)
   out = jnp.zeros((n * m, f), out_dtype)
-  if bidirectional and m % 2 == 0 and n > 2:
-    h = m // 2
-    top, bot = x[:h], x[h:]
-    for s in range(n):
-      nxt = (_shift(top, axis_name, n, 1), _shift(bot, axis_name, n, -1)) if s < n - 1 else None
-      y = mm(jnp.concatenate([top, bot]))  # top from device i - s, bottom from device i + s
-      out = lax.dynamic_update_slice_in_dim(out, y[:h], ((i - s) % n) * m, 0)
-      out = lax.dynamic_update_slice_in_dim(out, y[h:], ((i + s) % n) * m + h, 0)
-      if nxt is not None:
-        top, bot = nxt
-    return out
-  for s in range(n):
-    nxt = _shift(x, axis_name, n) if s < n - 1 else None
-    out = lax.dynamic_update_slice_in_dim(out, mm(x), ((i - s) % n) * m, 0)
-    x = nxt
-  return out
+  both = bidirectional and m % 2 == 0 and n > 2
+  h = m // 2
+
+  def place(out, blk, s):
+    y = mm(blk)
+    if not both:
+      return lax.dynamic_update_slice_in_dim(out, y, ((i - s) % n) * m, 0)
+    out = lax.dynamic_update_slice_in_dim(out, y[:h], ((i - s) % n) * m, 0)   # top half: from device i - s
+    return lax.dynamic_update_slice_in_dim(out, y[h:], ((i + s) % n) * m + h, 0)  # bottom: from i + s
+
+  def shift(blk):
+    if not both:
+      return _shift(blk, axis_name, n)
+    return jnp.concatenate([_shift(blk[:h], axis_name, n, 1), _shift(blk[h:], axis_name, n, -1)])
+
+  def step(s, carry):  # the next block in flight while this one is multiplied
+    out, blk = carry
+    nxt = shift(blk)
+    return place(out, blk, s), nxt
+
+  out, blk = lax.fori_loop(0, n - 1, step, (out, x))
+  return place(out, blk, n - 1)
 
 
 def matmul_reduce_scatter(x, w, *, axis_name, bidirectional=True, out_dtype=None, block_sizes=None,
@@ -421,23 +429,22 @@ def matmul_reduce_scatter(x, w, *, axis_name, bidirectional=True, out_dtype=None
   mm = lambda a: matmul(a, w, out_dtype=jnp.float32, block_sizes=block_sizes,  # noqa: E731
                         implementation=implementation, interpret=interpret)
   rows = lambda start, size: lax.dynamic_slice_in_dim(x, start, size, 0)  # noqa: E731
-  if bidirectional and m % 2 == 0 and n > 2:
-    h = m // 2
-    acc_t = acc_b = None
-    for s in range(n):  # the top halves' accumulators move right, the bottom halves' left
-      bt, bb = (i - 1 - s) % n, (i + 1 + s) % n
-      y = mm(jnp.concatenate([rows(bt * m, h), rows(bb * m + h, h)]))
-      acc_t = y[:h] if s == 0 else acc_t + y[:h]
-      acc_b = y[h:] if s == 0 else acc_b + y[h:]
-      if s < n - 1:
-        acc_t, acc_b = _shift(acc_t, axis_name, n, 1), _shift(acc_b, axis_name, n, -1)
-    return jnp.concatenate([acc_t, acc_b]).astype(out_dtype)
-  acc = None
-  for s in range(n):
-    y = mm(rows(((i - 1 - s) % n) * m, m))
-    acc = y if s == 0 else acc + y
-    if s < n - 1:
-      acc = _shift(acc, axis_name, n)
+  both = bidirectional and m % 2 == 0 and n > 2
+  h = m // 2
+
+  def partial(s):  # this device's share of the row block(s) whose accumulator(s) it holds at step s
+    if not both:
+      return mm(rows(((i - 1 - s) % n) * m, m))
+    # the top halves' accumulators move right, the bottom halves' left
+    return mm(jnp.concatenate([rows(((i - 1 - s) % n) * m, h), rows(((i + 1 + s) % n) * m + h, h)]))
+
+  def shift(acc):
+    if not both:
+      return _shift(acc, axis_name, n)
+    return jnp.concatenate([_shift(acc[:h], axis_name, n, 1), _shift(acc[h:], axis_name, n, -1)])
+
+  # The accumulator arriving at step s was sent after step s - 1; step s's product does not wait for it.
+  acc = lax.fori_loop(1, n, lambda s, acc: shift(acc) + partial(s), partial(0))
   return acc.astype(out_dtype)
 
 
