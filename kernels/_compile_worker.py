@@ -2,7 +2,8 @@
 
 Usage: ``python -m kernels._compile_worker FILE GENERATION [compile|estimate]`` compiles
 one program and prints one JSON line; ``python -m kernels._compile_worker --serve``
-compiles without the profiler, one program per line of stdin (``FILE GENERATION``),
+compiles without the profiler, one program per line of stdin (``FILE GENERATION
+[TOPOLOGY AXES SHAPE]``, the last three for a multi-chip program: see ``tpu.tpu_mesh``),
 answering each with one JSON line, until stdin closes.
 
 ``compile`` runs without the static profiler (TPU v4, which the profiler cannot model,
@@ -20,7 +21,7 @@ MODE = "compile" if SERVE else (sys.argv[3] if len(sys.argv) > 3 else "compile")
 os.environ["KERNELS_STATIC_PROFILE"] = "1" if MODE == "estimate" else "0"
 
 
-def compile_one(path: str, generation: str) -> dict:
+def compile_one(path: str, generation: str, topology: str = "") -> dict:
   import jax
   from jax import export
 
@@ -28,7 +29,12 @@ def compile_one(path: str, generation: str) -> dict:
   from kernels.errors import CompileError
   with open(path, "rb") as fh:
     exp = export.deserialize(bytearray(fh.read()))
-  args, kwargs = jax.tree.unflatten(exp.in_tree, exp.in_avals)
+  avals = exp.in_avals
+  if topology:  # a multi-chip program: its arguments sharded as exported, on the same topology's mesh
+    name, axes, shape = topology.split()
+    mesh = tpu.tpu_mesh(name, tuple(axes.split(",")), tuple(int(d) for d in shape.split(",")))
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, exp.in_shardings_jax(mesh))]
+  args, kwargs = jax.tree.unflatten(exp.in_tree, avals)
   try:
     comp = tpu.compile_for_tpu(exp.call, *args, generation=generation, **kwargs)
   except CompileError as e:
@@ -42,9 +48,9 @@ def compile_one(path: str, generation: str) -> dict:
 
 def serve() -> None:
   for line in sys.stdin:
-    path, generation = line.split()
+    path, generation, *topology = line.split(" ", 2)
     try:
-      out = compile_one(path, generation)
+      out = compile_one(path, generation, topology[0].strip() if topology else "")
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
       out = {"ok": None, "message": f"{type(e).__name__}: {e}"}
     sys.stdout.write(json.dumps(out) + "\n")

@@ -638,6 +638,11 @@ def _global_aux(x, router_w, r, scoring, axis_name):
 def _ring_all_gather_kernel(x_ref, o_ref, local_sem, send_sems, recv_sems, *, axis_name, n, bidirectional):
   me = lax.axis_index(axis_name)
   right, left = lax.rem(me + 1, n), lax.rem(me + n - 1, n)
+  # Both neighbours must have entered the kernel (their output buffer exists) before we write to it.
+  barrier = pltpu.get_barrier_semaphore()
+  for peer in (left, right):
+    pl.semaphore_signal(barrier, 1, device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+  pl.semaphore_wait(barrier, 2)
   local = pltpu.make_async_copy(x_ref, o_ref.at[me], local_sem)
   local.start()
   local.wait()
@@ -648,13 +653,13 @@ def _ring_all_gather_kernel(x_ref, o_ref, local_sem, send_sems, recv_sems, *, ax
     slot_r = lax.rem(me - s + n, n)  # travels right
     copies = [pltpu.make_async_remote_copy(
         src_ref=o_ref.at[slot_r, pl.ds(0, h)], dst_ref=o_ref.at[slot_r, pl.ds(0, h)], send_sem=send_sems.at[0],
-        recv_sem=recv_sems.at[0, s], device_id=(right,), device_id_type=pltpu.DeviceIdType.MESH)]
+        recv_sem=recv_sems.at[0, s], device_id=(right,), device_id_type=pl.DeviceIdType.MESH)]
     if bidirectional:
       slot_l = lax.rem(me + s, n)  # travels left
       copies.append(pltpu.make_async_remote_copy(
           src_ref=o_ref.at[slot_l, pl.ds(h, rows - h)], dst_ref=o_ref.at[slot_l, pl.ds(h, rows - h)],
           send_sem=send_sems.at[1], recv_sem=recv_sems.at[1, s], device_id=(left,),
-          device_id_type=pltpu.DeviceIdType.MESH))
+          device_id_type=pl.DeviceIdType.MESH))
     for c in copies:
       c.start()
     for c in copies:

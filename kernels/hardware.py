@@ -39,6 +39,15 @@ class Chip:
   """``jax.Device.device_kind`` strings that mean this chip."""
   topologies: tuple[str, ...] = ()
   """Compile-only topology names to try, newest JAX spelling first."""
+  ici_link_bandwidth: float = 0.0
+  """Inter-chip interconnect (ICI) bandwidth of one link, one direction, bytes/s."""
+  ici_links: int = 0
+  """ICI links per chip (4 on a 2-D torus, 6 on a 3-D one)."""
+  ici_wraparound: int = 0
+  """The shortest slice axis that closes into a ring (a torus wrap-around link): 4 on v4 and v5p
+  (any axis of a whole 4-chip cube), 16 on v5e and v6e (full pod axes only)."""
+  ici_latency: float | None = None
+  """Fixed time of one neighbour transfer, seconds, where a measurement was published (else None)."""
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
   nominal: bool = False
   """True when the figures are order-of-magnitude only (the CPU entry)."""
@@ -72,6 +81,9 @@ def _dtype_name(dtype) -> str:
 
 
 _CLOUD = "https://cloud.google.com/tpu/docs/"
+_SCALING_BOOK = "https://jax-ml.github.io/scaling-book/"
+_PPERMUTE_FIT = ("the ppermute fit t = {lat} us + bytes / {bw} GB/s on {chip}-8 quoted by issue 22 of this project "
+                 "(a published measurement; the fixed part used as the per-transfer latency)")
 
 V4 = Chip(
     name="v4",
@@ -86,7 +98,12 @@ V4 = Chip(
     clock_hz=1.05e9,
     device_kinds=("TPU v4",),
     topologies=("v4:2x2x1",),
+    ici_link_bandwidth=45e9,
+    ici_links=6,
+    ici_wraparound=4,
+    ici_latency=None,
     sources={
+        "ici_link_bandwidth": _SCALING_BOOK + "tpus (ICI: 4.5e10 B/s one way per link, 3-D torus, 6 links)",
         "peak_flops": _CLOUD + "v4 (275 TFLOP/s bf16 per chip; int8 runs at the bf16 rate)",
         "hbm_bandwidth": _CLOUD + "v4 (32 GiB HBM2, 1200 GB/s)",
         "hbm_bytes": _CLOUD + "v4",
@@ -112,7 +129,12 @@ V5E = Chip(
     clock_hz=1.5e9,
     device_kinds=("TPU v5 lite", "TPU v5e", "TPU v5litepod"),
     topologies=("v5e:2x2", "v5litepod:2x2"),
+    ici_link_bandwidth=45e9,
+    ici_links=4,
+    ici_wraparound=16,
+    ici_latency=None,
     sources={
+        "ici_link_bandwidth": _SCALING_BOOK + "tpus (ICI: 4.5e10 B/s one way per link; 2-D, 4 links; wrap-around only on 16-chip axes)",
         "peak_flops": _CLOUD + "v5e (197 TFLOP/s bf16, 394 TOP/s int8 per chip)",
         "hbm_bandwidth": _CLOUD + "v5e (16 GB HBM2, 819 GB/s)",
         "hbm_bytes": _CLOUD + "v5e",
@@ -138,7 +160,13 @@ V5P = Chip(
     clock_hz=1.75e9,
     device_kinds=("TPU v5", "TPU v5p"),
     topologies=("v5p:2x2x1",),
+    ici_link_bandwidth=90e9,
+    ici_links=6,
+    ici_wraparound=4,
+    ici_latency=4.6e-6,
     sources={
+        "ici_link_bandwidth": _SCALING_BOOK + "tpus (ICI: 9e10 B/s one way per link, 3-D torus, 6 links)",
+        "ici_latency": _PPERMUTE_FIT.format(lat=4.6, bw=86.3, chip="v5p"),
         "peak_flops": _CLOUD + "v5p (459 TFLOP/s bf16, 918 TOP/s int8 per chip)",
         "hbm_bandwidth": _CLOUD + "v5p (95 GB HBM2e, 2765 GB/s)",
         "hbm_bytes": _CLOUD + "v5p",
@@ -164,7 +192,13 @@ V6E = Chip(
     clock_hz=1.75e9,
     device_kinds=("TPU v6 lite", "TPU v6e"),
     topologies=("v6e:2x2",),
+    ici_link_bandwidth=90e9,
+    ici_links=4,
+    ici_wraparound=16,
+    ici_latency=2.3e-6,
     sources={
+        "ici_link_bandwidth": _SCALING_BOOK + "tpus (ICI: 9e10 B/s one way per link; 2-D, 4 links; wrap-around only on 16-chip axes)",
+        "ici_latency": _PPERMUTE_FIT.format(lat=2.3, bw=86.8, chip="v6e"),
         "peak_flops": _CLOUD + "v6e (918 TFLOP/s bf16, 1836 TOP/s int8 per chip); fp8 rate from " + _TPU_INFO,
         "hbm_bandwidth": _CLOUD + "v6e (32 GB, 1640 GB/s)",
         "hbm_bytes": _CLOUD + "v6e",

@@ -93,11 +93,43 @@ def available() -> bool:
     return False
 
 
+@functools.cache
+def tpu_mesh(topology: str, axis_names: tuple[str, ...] = ("x",), shape: tuple[int, ...] | None = None):
+  """A :class:`jax.sharding.Mesh` of compile-only TPU devices of a multi-chip ``topology`` (e.g.
+  ``"v5e:2x4"``, Kaggle's v5e-8; ``"v5p:2x2x2"``), its devices in the topology's order reshaped to
+  ``shape`` (default: one axis). Give :func:`compile_for_tpu` arguments sharded on it
+  (``jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec))``) to compile a multi-chip program."""
+  from jax.experimental import topologies
+  with _lock, _quiet_stderr():
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  shape = shape or (len(devices),)
+  if int(np.prod(shape)) != len(devices) or len(shape) != len(axis_names):
+    raise KernelError("shape", shape, f"must have one size per axis name {axis_names} and hold the "
+                      f"{len(devices)} devices of {topology}")
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(axis_names))
+  _mesh_topology[mesh] = f"{topology} {','.join(axis_names)} {','.join(map(str, shape))}"
+  return mesh
+
+
+_mesh_topology: dict = {}  # tpu_mesh -> "topology axes shape", how a child process rebuilds it
+
+
+def _multichip_mesh(args):
+  """The :func:`tpu_mesh` that arguments are sharded on, if any (a multi-chip program)."""
+  for x in jax.tree.leaves(args):
+    sharding = getattr(x, "sharding", None)
+    if getattr(sharding, "num_devices", 1) > 1:
+      return sharding.mesh
+  return None
+
+
 def _abstract(args, device) -> Any:
   sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)),
                                         jax.sharding.PartitionSpec())
 
   def leaf(x):
+    if getattr(getattr(x, "sharding", None), "num_devices", 1) > 1:
+      return x  # placed on a multi-chip mesh by the caller
     if hasattr(x, "shape") and hasattr(x, "dtype"):
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return x
@@ -219,7 +251,7 @@ class _Worker:
     except (OSError, StopIteration):
       return 0
 
-  def request(self, path: str, generation: str) -> dict:
+  def request(self, path: str, generation: str, topology: str | None = None) -> dict:
     with self._lock:
       if (self._proc is None or self._proc.poll() is not None or self._served >= self.RECYCLE
           or self._rss() > self.MAX_RSS):
@@ -227,7 +259,7 @@ class _Worker:
         self._start()
       self._served += 1
       try:
-        self._proc.stdin.write(f"{path} {generation}\n")
+        self._proc.stdin.write(f"{path} {generation} {topology or ''}\n")
         self._proc.stdin.flush()
         while True:
           line = self._proc.stdout.readline()
@@ -248,17 +280,21 @@ class _Worker:
 _compile_worker = _Worker()
 
 
-def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile") -> TpuCompilation:
+def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile", topology: str | None = None) -> TpuCompilation:
   """Exports the program for TPU here, then compiles it in a child process: without the
   profiler (``mode="compile"``), or with it (``"estimate"``; the profile lands in ``_profiles``)."""
   import subprocess
   import sys
   from jax import export
   t0 = time.perf_counter()
-  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+                                                      if topology else None) if hasattr(x, "shape") else x, args)
   with _lock, target(chip):
     try:
-      blob = export.export(f, platforms=("tpu",))(*plain).serialize()
+      # The blob is compiled at once by this same JAX, so custom calls without a stability
+      # guarantee across versions (ragged_all_to_all) are fine.
+      blob = export.export(f, platforms=("tpu",), disabled_checks=[
+          export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*plain).serialize()
     except KernelError:
       raise
     except Exception as e:  # noqa: BLE001
@@ -267,7 +303,7 @@ def _compile_elsewhere(f, args, chip: Chip, mode: str = "compile") -> TpuCompila
     fh.write(blob)
   try:
     if mode == "compile":
-      out = _compile_worker.request(fh.name, chip.name)
+      out = _compile_worker.request(fh.name, chip.name, topology)
     else:  # the profiler may abort its process: one process per estimate
       env = dict(os.environ, KERNELS_STATIC_PROFILE="1", JAX_PLATFORMS="cpu")
       proc = subprocess.run([sys.executable, "-m", "kernels._compile_worker", fh.name, chip.name, mode],
@@ -300,15 +336,20 @@ def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", profile: bool 
   :class:`~kernels.errors.CompileError` (a :class:`KernelError`) whose ``kind`` is
   ``"vmem"``, ``"tiling"``, ``"mosaic"`` or ``"xla"``.
 
+  Arguments sharded on a :func:`tpu_mesh` compile a multi-chip program (without the profiler: the
+  cost model charges collectives nothing, see :mod:`kernels.ici`).
   ``profile=False`` compiles in a child process without the cost model's profiling
   flags (where this process has them): much faster for a large program whose memory
   or HLO is all that is wanted, but :func:`estimate_tpu` cannot reuse the compilation.
   """
   chip = get_chip(generation)
   f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
+  mesh = _multichip_mesh(args)
   if (_env.STATIC_PROFILE_DIR is not None and os.environ.get("KERNELS_STATIC_PROFILE") != "0"
-      and (not profile or chip.name not in PROFILED_GENERATIONS)):
-    return _compile_elsewhere(f, args, chip)
+      and (not profile or chip.name not in PROFILED_GENERATIONS or mesh is not None)):
+    # Multi-chip programs too: the cost model cannot time their collectives, and profiling makes
+    # their compiles about 6x slower.
+    return _compile_elsewhere(f, args, chip, topology=_mesh_topology.get(mesh) if mesh is not None else None)
   device = tpu_device(chip.name)
   abstract = _abstract(args, device)
   t0 = time.perf_counter()
@@ -482,7 +523,8 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
   chip = get_chip(generation)
   comp = compilation or compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
   f = functools.partial(fn, **kwargs) if kwargs else fn
-  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+                                                      if topology else None) if hasattr(x, "shape") else x, args)
   notes: list[str] = []
   pallas: dict[str, traffic.PallasTraffic] = {}
   partial = False

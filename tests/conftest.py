@@ -1,6 +1,10 @@
 import os
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# 8 CPU devices for the multi-chip tests (tests/test_distributed.py), set before JAX starts; every
+# other test runs on the first one, as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import kernels  # noqa: E402,F401  (before JAX initialises a backend: enables the TPU cost model)
 import pytest  # noqa: E402
@@ -38,6 +42,7 @@ AOT_SMOKE = (
     "tests/test_fft.py::test_aot_compiles_forward_and_backward[v5e-paths]",
     "tests/test_conv.py::test_aot_compiles_forward_and_backward[direct-None-v5e]",
     "tests/test_conv.py::test_aot_compiles_forward_and_backward[winograd-4-v6e]",
+    "tests/test_distributed.py::test_aot_compiles_on_multichip_topologies[v5e-v5e:2x4]",
 )
 
 # Scheduling. xdist (`--dist loadgroup`) hands tests out one at a time, in collection order, to
