@@ -523,8 +523,7 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
   chip = get_chip(generation)
   comp = compilation or compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
   f = functools.partial(fn, **kwargs) if kwargs else fn
-  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)
-                                                      if topology else None) if hasattr(x, "shape") else x, args)
+  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
   notes: list[str] = []
   pallas: dict[str, traffic.PallasTraffic] = {}
   partial = False
