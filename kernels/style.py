@@ -107,16 +107,21 @@ def measured(device: str | None = None) -> str:
     return f"measured on {device}"
 
 
+def comm_model(*generations: str) -> str:
+    """'communication model, TPU v5e': ICI transfer times from published figures (:mod:`kernels.ici`)."""
+    return f"communication model, TPU {', '.join(generations)}"
+
+
 def computed(how: str) -> str:
     """For exact numbers that are neither estimated nor measured: 'computed <how>'."""
     return f"computed {how}"
 
 
-_SOURCE = re.compile(r"compiler [a-z ]+, TPU v\d|measured on \S|computed \S")
+_SOURCE = re.compile(r"compiler [a-z ]+, TPU v\d|communication model, TPU v\d|measured on \S|computed \S")
 
 
 def title(ax_or_fig, text: str, *sources: str, **kw) -> None:
-    """A title (suptitle on a Figure) ending with its sources: :func:`estimate`, :func:`measured`, :func:`computed`."""
+    """A title (suptitle on a Figure) ending with its sources: :func:`estimate`, :func:`comm_model`, :func:`measured`, :func:`computed`."""
     if not sources or not all(_SOURCE.search(s) for s in sources):
         raise ValueError(f"title {text!r} must say what it shows (estimate/measured/computed): {sources}")
     full = "\n".join(filter(None, [text, "; ".join(sources)]))

@@ -1,0 +1,151 @@
+"""Compiler estimates and compiled memory for the distributed notebook -> kernels/data/distributed_bench.json.
+
+The cost model cannot time collectives (it charges them 0 cycles), so a multi-chip program's time is
+built in the notebook from these per-chip compute estimates and the communication model of
+:mod:`kernels.ici`. This script records:
+
+* ``ring``: one ring-attention step on one chip, floored compiler estimates: the diagonal step
+  (causal attention of the local ``L`` tokens) and a visiting step (zig-zag: ``L`` queries against
+  ``L / 2`` keys, or the reverse, the same FLOPs), forward (flash attention with its lse) and backward
+  (:func:`kernels.attention.attention_block_grads`); and the all-gathered baseline's busiest chip (its
+  ``L`` queries against all ``n L`` keys, causal).
+* ``matmul``: the collective matmul's pieces, one step ``[m, k] x [k, f]`` and the whole local
+  product ``[n m, k] x [k, f]``.
+* ``memory``: the compiled per-chip memory of ring attention (forward and backward) on the v5e 2x4
+  topology against a single chip holding the whole sequence.
+
+Usage: ``python tools/bench_distributed.py [--only ring|matmul|memory]`` (run the estimates under
+``flock /tmp/tpu-heavy.lock nice -n 10``: each needs a few GB).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import kernels  # noqa: E402  (first: enables the cost model)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from kernels import distributed, tpu  # noqa: E402
+from kernels.attention import attention_block_grads, flash_attention  # noqa: E402
+from tools import results  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "kernels", "data", "distributed_bench.json")
+GENERATIONS = ("v5e", "v6e")
+N = 8                                # devices on the ring
+HEADS, KV_HEADS, HEAD_DIM = 8, 8, 128
+LOCALS = (4096, 16384)               # tokens per chip
+MATMUL = (8192, 8192, 8192)          # the collective-matmul target: [M, K] x [K, F], x on rows, w on columns
+MEMORY_LOCALS = (2048, 8192, 16384)
+
+
+def _sds(*shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _attn_flops(q_len, kv_len, causal):
+  pairs = q_len * kv_len / (2 if causal else 1)
+  return 4 * pairs * HEAD_DIM * HEADS  # q k^T and p v
+
+
+def _estimate(fn, args, generation, flops):
+  t0 = time.time()
+  est = kernels.estimate_tpu(fn, *args, generation=generation, flops=flops, isolate=True)
+  rec = est.record()
+  print(f"  {generation}: {est.seconds * 1e6:9.1f} us ({est.label}) in {time.time() - t0:.0f} s", flush=True)
+  return rec
+
+
+def ring(table):
+  for gen in GENERATIONS:
+    for L in LOCALS:
+      q, kv, kv_half = _sds(1, L, HEADS, HEAD_DIM), _sds(1, L, KV_HEADS, HEAD_DIM), _sds(1, L // 2, KV_HEADS, HEAD_DIM)
+      lse = _sds(1, HEADS, L, dtype=jnp.float32)
+      cases = {
+          "diagonal forward": (lambda q, k, v: flash_attention(q, k, v, causal=True, return_residuals=True),
+                               (q, kv, kv), _attn_flops(L, L, True)),
+          "diagonal backward": (lambda q, k, v, o, l, do: attention_block_grads(q, k, v, o, l, do, causal=True),
+                                (q, kv, kv, q, lse, q), 2.5 * _attn_flops(L, L, True)),
+          "visiting forward": (lambda q, k, v: flash_attention(q, k, v, return_residuals=True),
+                               (q, kv_half, kv_half), _attn_flops(L, L // 2, False)),
+          "visiting backward": (lambda q, k, v, o, l, do: attention_block_grads(q, k, v, o, l, do),
+                                (q, kv_half, kv_half, q, lse, q), 2.5 * _attn_flops(L, L // 2, False)),
+          # the all-gathered baseline: the last chip's L queries against all N * L keys
+          "gathered busiest forward": (lambda q, k, v: flash_attention(q, k, v, causal=True, return_residuals=True),
+                                       (q, _sds(1, N * L, KV_HEADS, HEAD_DIM), _sds(1, N * L, KV_HEADS, HEAD_DIM)),
+                                       4 * HEAD_DIM * HEADS * (L * (N - 1) * L + L * L / 2)),
+      }
+      for name, (fn, args, flops) in cases.items():
+        key = f"{gen}/L{L}/{name}"
+        if key in table:
+          continue
+        print(key, flush=True)
+        try:
+          table[key] = _estimate(fn, args, gen, flops)
+        except Exception as e:  # noqa: BLE001 - recorded, shown as missing
+          table[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        results.save(table, OUT)
+
+
+def matmul(table):
+  M, K, F = MATMUL
+  m, f = M // N, F // N
+  for gen in GENERATIONS:
+    for name, (rows, cols) in {"step": (m, f), "whole": (M, f)}.items():
+      key = f"{gen}/matmul/{name}"
+      if key in table:
+        continue
+      print(key, flush=True)
+      table[key] = _estimate(lambda a, b: kernels.matmul(a, b), (_sds(rows, K), _sds(K, cols)), gen, 2 * rows * K * cols)
+      results.save(table, OUT)
+
+
+def memory(table):
+  mesh = tpu.tpu_mesh("v5e:2x4")
+  spec = P(None, "x")
+  for L in MEMORY_LOCALS:
+    key = f"v5e/memory/L{L}"
+    if key in table:
+      continue
+    sh = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    q, kv = sh(1, N * L, HEADS, HEAD_DIM), sh(1, N * L, KV_HEADS, HEAD_DIM)
+    fwd = jax.shard_map(lambda q, k, v: distributed.ring_attention(q, k, v, axis_name="x", causal=True), mesh=mesh,
+                        in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    grad = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32)), (0, 1, 2))
+    rec = {"devices": N, "local_tokens": L}
+    for name, fn in (("ring forward", fwd), ("ring forward+backward", grad)):
+      c = tpu.compile_for_tpu(fn, q, kv, kv, generation="v5e")
+      rec[name] = c.memory
+      print(key, name, {k: round(v / 2**20, 1) for k, v in c.memory.items()}, "MiB", flush=True)
+    single = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
+    sq, skv = _sds(1, N * L, HEADS, HEAD_DIM), _sds(1, N * L, KV_HEADS, HEAD_DIM)
+    for name, fn in (("one chip forward", single),
+                     ("one chip forward+backward", jax.grad(lambda q, k, v: jnp.sum(single(q, k, v).astype(
+                         jnp.float32)), (0, 1, 2)))):
+      c = tpu.compile_for_tpu(fn, sq, skv, skv, generation="v5e", profile=False)
+      rec[name] = c.memory
+      print(key, name, {k: round(v / 2**20, 1) for k, v in c.memory.items()}, "MiB", flush=True)
+    table[key] = rec
+    results.save(table, OUT)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--only", choices=("ring", "matmul", "memory"))
+  args = ap.parse_args()
+  table = results.load(OUT)
+  table["_config"] = {"devices": N, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+                      "matmul": MATMUL, "jax": jax.__version__}
+  for part in (memory, matmul, ring):
+    if args.only in (None, part.__name__):
+      part(table)
+  results.save(table, OUT)
+
+
+if __name__ == "__main__":
+  main()
