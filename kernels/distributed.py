@@ -641,7 +641,7 @@ def _ring_all_gather_kernel(x_ref, o_ref, local_sem, send_sems, recv_sems, *, ax
   # Both neighbours must have entered the kernel (their output buffer exists) before we write to it.
   barrier = pltpu.get_barrier_semaphore()
   for peer in (left, right):
-    pl.semaphore_signal(barrier, 1, device_id=(peer,), device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_signal(barrier, 1, device_id=(peer,))  # mesh coordinates along axis_name
   pl.semaphore_wait(barrier, 2)
   local = pltpu.make_async_copy(x_ref, o_ref.at[me], local_sem)
   local.start()
@@ -653,13 +653,12 @@ def _ring_all_gather_kernel(x_ref, o_ref, local_sem, send_sems, recv_sems, *, ax
     slot_r = lax.rem(me - s + n, n)  # travels right
     copies = [pltpu.make_async_remote_copy(
         src_ref=o_ref.at[slot_r, pl.ds(0, h)], dst_ref=o_ref.at[slot_r, pl.ds(0, h)], send_sem=send_sems.at[0],
-        recv_sem=recv_sems.at[0, s], device_id=(right,), device_id_type=pl.DeviceIdType.MESH)]
+        recv_sem=recv_sems.at[0, s], device_id=(right,))]
     if bidirectional:
       slot_l = lax.rem(me + s, n)  # travels left
       copies.append(pltpu.make_async_remote_copy(
           src_ref=o_ref.at[slot_l, pl.ds(h, rows - h)], dst_ref=o_ref.at[slot_l, pl.ds(h, rows - h)],
-          send_sem=send_sems.at[1], recv_sem=recv_sems.at[1, s], device_id=(left,),
-          device_id_type=pl.DeviceIdType.MESH))
+          send_sem=send_sems.at[1], recv_sem=recv_sems.at[1, s], device_id=(left,)))
     for c in copies:
       c.start()
     for c in copies:
@@ -668,6 +667,9 @@ def _ring_all_gather_kernel(x_ref, o_ref, local_sem, send_sems, recv_sems, *, ax
 
 def ring_all_gather(x, *, axis_name, bidirectional=True, implementation=None, interpret=None):
   """``lax.all_gather(x, axis_name, tiled=True)`` as a Pallas kernel of remote DMAs round the ring.
+
+  The remote DMAs address neighbours by their index along ``axis_name``, so the mesh must have
+  that one axis (``Mesh(devices, (axis_name,))``).
 
   Args:
     x: the local block, ``[rows, ...]``.
