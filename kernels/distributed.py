@@ -66,7 +66,8 @@ device scans its shard from a zero state (the local final state ``L``) and reduc
 shard's transfer ``A = prod_t a_t``; one ``all_gather`` of ``(A, L)`` lets every device combine the
 shards before it, ``c_{j+1} = A_j c_j + L_j``, into its incoming state; a second local scan from that
 state gives ``h``. Two passes over the local ``a`` and ``b`` and one ``all_gather`` of
-``2 x batch x width`` per device, whatever the sequence length.
+``2 x batch x width`` per device, whatever the sequence length. :func:`sequence_parallel_ssd` does
+the same for Mamba-2's SSD, whose shard transfer is the decay ``exp(sum_t dt_t A)`` per head.
 
 Expert-parallel MoE
 -------------------
@@ -114,7 +115,7 @@ from kernels.moe import ACTIVATIONS, _check_layer_args, _check_route_args, _disp
 from kernels.scan import linear_scan
 
 __all__ = ["all_gather_matmul", "expert_parallel_moe", "matmul_reduce_scatter", "ring_all_gather", "ring_attention",
-           "sequence_parallel_linear_scan", "zigzag_indices"]
+           "sequence_parallel_linear_scan", "sequence_parallel_ssd", "zigzag_indices"]
 
 SEQUENCE_ORDERS = ("natural", "zigzag")
 
@@ -484,15 +485,46 @@ def sequence_parallel_linear_scan(a, b, *, axis_name, h0=None, reverse=False, re
   if reset is not None:
     gates = gates * (~reset)[..., None].astype(gates.dtype)
   transfer = jnp.broadcast_to(jnp.prod(gates, axis=1), last.shape)
-  transfers, lasts = lax.all_gather(transfer, axis_name), lax.all_gather(last, axis_name)  # [n, batch, width]
-  c = jnp.zeros_like(last) if h0 is None else h0.astype(last.dtype)
-  carries = []  # carries[j]: the state entering shard j (in scan order)
+  carries, c = _carries(lax.all_gather(transfer, axis_name), lax.all_gather(last, axis_name), h0, n, reverse)
+  h = linear_scan(a, b, h0=carries[i], **kw)
+  return (h, c) if return_final_state else h
+
+
+def _carries(transfers, lasts, h0, n: int, reverse: bool):
+  """The state entering each shard (stacked, in device order) and the final state, from every
+  shard's transfer (gathered, ``[n, ...]``, applied by ``*``) and its final state from zero."""
+  c = jnp.zeros_like(lasts[0]) if h0 is None else h0.astype(lasts.dtype)
+  carries = []
   for j in (range(n) if not reverse else range(n - 1, -1, -1)):
     carries.append(c)
     c = transfers[j] * c + lasts[j]
-  carries = jnp.stack(carries if not reverse else carries[::-1])
-  h = linear_scan(a, b, h0=carries[i], **kw)
-  return (h, c) if return_final_state else h
+  return jnp.stack(carries if not reverse else carries[::-1]), c
+
+
+def sequence_parallel_ssd(x, dt, A, B, C, *, axis_name, D=None, h0=None, reset=None, return_final_state=False,
+                          chunk_size=None, block_sizes=None, implementation=None, interpret=None):
+  """:func:`kernels.ssd` (Mamba-2) with the sequence sharded over ``axis_name``; equal to the SSD of
+  the whole sequence.
+
+  The same three steps as :func:`sequence_parallel_linear_scan`: a local SSD from a zero state (its
+  final state ``[batch, heads, head_dim, state]``), one ``all_gather`` of the final states and the
+  shards' decays ``exp(sum_t dt_t A)`` (zero where the shard holds a reset), and a second local SSD
+  from the incoming state. Arguments as :func:`kernels.ssd`, each array the local block of the
+  sequence (``A``, ``D`` and ``h0`` the same on every device).
+  """
+  check_implementation(implementation, interpret)
+  n, i = _axis(axis_name)
+  kw = dict(D=D, reset=reset, chunk_size=chunk_size, block_sizes=block_sizes, implementation=implementation,
+            interpret=interpret)
+  from kernels.ssd import ssd
+  _, last = ssd(x, dt, A, B, C, return_final_state=True, **kw)           # [batch, heads, head_dim, state]
+  decay = jnp.exp(jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1))   # [batch, heads]
+  if reset is not None:
+    decay = jnp.where(jnp.any(reset, axis=1)[:, None], 0.0, decay)
+  transfer = decay[:, :, None, None].astype(last.dtype)
+  carries, final = _carries(lax.all_gather(transfer, axis_name), lax.all_gather(last, axis_name), h0, n, False)
+  y = ssd(x, dt, A, B, C, h0=carries[i], **kw)
+  return (y, final) if return_final_state else y
 
 
 # ---------------------------------------------------------------------------------

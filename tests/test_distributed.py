@@ -287,5 +287,37 @@ def test_aot_compiles_on_multichip_topologies(generation, topology):
   scan = smap(lambda a, b: D.sequence_parallel_linear_scan(a, b, axis_name="x"), (SEQ, SEQ), SEQ)
   tpu.compile_for_tpu(jax.grad(lambda a, b: jnp.sum(scan(a, b).astype(jnp.float32)), (0, 1)), a, b,
                       generation=generation)
+  xs, bc = sds((1, n * 1024, 8, 64), SEQ), sds((1, n * 1024, 1, 128), SEQ)
+  dt, a_log = sds((1, n * 1024, 8), SEQ, jnp.float32), sds((8,), P(), jnp.float32)
+  ssd = smap(lambda x, dt, A, B, C: D.sequence_parallel_ssd(x, dt, A, B, C, axis_name="x"), (SEQ, SEQ, P(), SEQ, SEQ),
+             SEQ)
+  tpu.compile_for_tpu(jax.grad(lambda *a: jnp.sum(ssd(*a).astype(jnp.float32)), (0, 3, 4)), xs, dt, a_log, bc, bc,
+                      generation=generation)
   tpu.compile_for_tpu(smap(lambda x: D.ring_all_gather(x, axis_name="x"), (P("x"),), P()),
                       sds((n * 16, 1024), P("x")), generation=generation)
+
+
+def test_sequence_parallel_ssd_equals_single_device():
+  n = 4
+  mesh = _mesh(n)
+  b, s, h, p, g, st = 1, n * 128, 2, 64, 1, 128
+  x = _normal(0, (b, s, h, p))
+  dt = jax.nn.softplus(_normal(1, (b, s, h)))
+  A = -jnp.exp(_normal(2, (h,)))
+  B, C = _normal(3, (b, s, g, st)) * 0.3, _normal(4, (b, s, g, st)) * 0.3
+  reset = jnp.zeros((b, s), bool).at[:, 200].set(True)  # a document starts inside the second shard
+  run = _smap(lambda x, dt, B, C, reset: D.sequence_parallel_ssd(x, dt, A, B, C, axis_name="x", reset=reset,
+                                                                 chunk_size=128, return_final_state=True,
+                                                                 interpret=True),
+              mesh, (SEQ, SEQ, SEQ, SEQ, SEQ), (SEQ, P()))
+  ref = lambda x, dt, B, C, reset: kernels.ssd_reference(x, dt, A, B, C, reset=reset,  # noqa: E731
+                                                         return_final_state=True)
+  args = (x, dt, B, C, reset)
+  (y, last), (y_ref, last_ref) = run(*args), ref(*args)
+  _close(y, y_ref, 2e-4)
+  _close(last, last_ref, 2e-4)
+  ct = _normal(5, y.shape)
+  grads = jax.vjp(lambda x, dt, B, C: run(x, dt, B, C, reset)[0], *args[:4])[1](ct)
+  grads_ref = jax.vjp(lambda x, dt, B, C: ref(x, dt, B, C, reset)[0], *args[:4])[1](ct)
+  for gg, gr in zip(grads, grads_ref):
+    _close(gg, gr, 2e-4 * max(1.0, float(jnp.max(jnp.abs(gr)))))
