@@ -142,8 +142,7 @@ def test_collective_matmul_errors():
 # --- sequence-parallel scan -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n,reverse,gate", [(4, False, "element"), (4, True, "token"), (8, False, "time"),
-                                            (2, True, "element")])
+@pytest.mark.parametrize("n,reverse,gate", [(4, False, "element"), (2, True, "token"), (4, True, "time")])
 def test_sequence_parallel_linear_scan_equals_single_device(n, reverse, gate):
   mesh = _mesh(n)
   b, s, w = 2, n * 24, 128
@@ -172,8 +171,7 @@ def test_sequence_parallel_linear_scan_equals_single_device(n, reverse, gate):
 # --- expert-parallel MoE ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n,experts,top_k,skewed", [(4, 8, 2, False), (8, 8, 3, False), (2, 4, 1, True),
-                                                    (8, 16, 2, True)])
+@pytest.mark.parametrize("n,experts,top_k,skewed", [(4, 8, 3, False), (2, 4, 1, True), (8, 16, 2, True)])
 def test_expert_parallel_moe_equals_single_device(n, experts, top_k, skewed):
   mesh = _mesh(n)
   tokens, d, f = n * 8, 128, 128
