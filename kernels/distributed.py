@@ -43,6 +43,14 @@ default) takes and returns the sequence sharded contiguously and moves the chunk
 order and back with two ``ppermute`` each way; ``"zigzag"`` skips that for a model that keeps its
 activations in zig-zag order (:func:`zigzag_indices` gives the global order).
 
+*Sliding windows* need no ring: with ``causal`` and a window of ``W`` tokens a device needs only the
+``W - 1`` keys before its block, from the ``ceil((W - 1) / L)`` devices before it, and every device
+then does the same work in the natural order. Each such block (only the rows the window reaches)
+comes by one ``ppermute``; one windowed :func:`flash_attention` runs over them and the local keys, its
+``kv_len - q_len`` offset placing each query where it sits in the sequence; keys that wrapped round
+the ring from the last devices get a segment id no query has. Its gradient is flash attention's and
+the transposed ``ppermute``\ s.
+
 *Backward* (``custom_vjp``): the forward saves only its inputs, output and log-sum-exp. The backward
 walks the ring again: each step runs the flash-attention backward kernels on the local q against the
 visiting k/v block with the *whole* attention's ``lse`` and ``out``
@@ -204,8 +212,8 @@ def _merge(o1, l1, o2, l2, lse_axis_to_layout):
   return o, lse
 
 
-def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, scale=None, layout="BSHD",
-                   sequence_order="natural", block_sizes=None, implementation=None, interpret=None):
+def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, sliding_window=None, scale=None,
+                   layout="BSHD", sequence_order="natural", block_sizes=None, implementation=None, interpret=None):
   """Attention over a sequence sharded along ``axis_name``: equal to :func:`kernels.flash_attention` of
   the whole sequence, with O(seq / devices) memory per chip. Call inside ``jax.shard_map``.
 
@@ -214,7 +222,13 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, scale=
     k, v: the local ``[batch, seq_local, kv_heads, head_dim]`` blocks (GQA: only these travel).
     axis_name: the mesh axis the sequence is sharded over.
     causal: causal attention over the global sequence.
-    segment_ids: ``[batch, seq_local]`` ints, the local block of the global ids (packed documents).
+    segment_ids: ``[batch, seq_local]`` ints, the local block of the global ids (packed documents);
+      with ``sliding_window``, ids equal to ``-2**31`` are reserved.
+    sliding_window: ``W`` with ``causal`` (a query sees itself and the ``W - 1`` keys before it): no
+      ring then, only a halo: each device receives the last ``W - 1`` keys and values before its
+      block from the ``ceil((W - 1) / seq_local)`` devices before it (one ``ppermute`` each) and runs
+      one windowed :func:`kernels.flash_attention` over them and its own; the work is balanced
+      without reordering (``sequence_order`` must be ``"natural"``). Not supported without ``causal``.
     scale: as :func:`kernels.flash_attention`.
     layout: ``"BSHD"`` or ``"BHSD"``.
     sequence_order: ``"natural"`` (the sequence sharded contiguously: device ``i`` holds tokens
@@ -229,12 +243,19 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, scale=
   check(layout in _attention.LAYOUTS, "layout", layout, f"must be one of {_attention.LAYOUTS}")
   check(sequence_order in SEQUENCE_ORDERS, "sequence_order", sequence_order, f"must be one of {SEQUENCE_ORDERS}")
   check_implementation(implementation, interpret)
-  p, _, _ = _attention._validate(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=None,
+  p, _, _ = _attention._validate(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
                                  logits_soft_cap=None, scale=scale, bias=None, mask=None, sinks=None,
                                  dropout_rate=0.0, dropout_key=None, layout=layout)
   check(p.sq == p.skv, "k", k, f"the local q and k/v blocks must be equally long (got {p.sq} and {p.skv}): "
         "ring attention shards one sequence")
   n, i = _axis(axis_name)
+  if sliding_window is not None:
+    check(causal, "sliding_window", sliding_window, "needs causal=True in ring_attention (a symmetric band "
+          "would need the blocks after this one too)")
+    check(sequence_order == "natural", "sequence_order", sequence_order,
+          "must be 'natural' with sliding_window (a window balances the work in the natural order)")
+    return _windowed(q, k, v, segment_ids, axis_name=axis_name, n=n, i=i, window=int(p.window), scale=p.scale,
+                     layout=layout, block_sizes=block_sizes, implementation=implementation, interpret=interpret)
   zigzag = causal and n > 1
   if zigzag:
     check(p.sq % 2 == 0, "q", q, f"causal ring attention cuts each local block in two (zig-zag); its length "
@@ -247,6 +268,31 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, scale=
   out = _ring(q, k, v, segment_ids, axis_name=axis_name, n=n, causal=causal, zigzag=zigzag, scale=p.scale,
               layout=layout, block_sizes=block_sizes, implementation=implementation, interpret=interpret)
   return _from_zigzag(out, axis_name, n, i, seq_axis) if move else out
+
+
+_NO_SEGMENT = np.iinfo(np.int32).min  # the segment of keys before the sequence's start (sliding windows)
+
+
+def _windowed(q, k, v, seg, *, axis_name, n, i, window, scale, layout, block_sizes, implementation, interpret):
+  """Causal sliding-window attention over a contiguously sharded sequence: a halo, not a ring."""
+  seq_axis = 1 if layout == "BSHD" else 2
+  L = q.shape[seq_axis]
+  halo = min(window - 1, (n - 1) * L)  # keys before this block that a query of it can see
+  own = jnp.zeros((q.shape[0], L), jnp.int32) if seg is None else seg.astype(jnp.int32)
+  ks, vs, ss = [], [], []
+  for d in range(-(-halo // L), 0, -1):  # the blocks of devices i - d, oldest first
+    start = max(0, d * L - halo)  # only the rows the window reaches
+    take = lambda x, axis: _slice(x, axis, start, L)  # noqa: E731
+    kd, vd, sd = _shift((take(k, seq_axis), take(v, seq_axis), take(own, 1)), axis_name, n, d)
+    ks.append(kd)
+    vs.append(vd)
+    ss.append(jnp.where(i >= d, sd, _NO_SEGMENT))  # device i - d wrapped round the ring: before the start
+  keys = jnp.concatenate(ks + [k], seq_axis)
+  values = jnp.concatenate(vs + [v], seq_axis)
+  # kv_len - q_len = halo: query r sits at key position halo + r, as in the global sequence
+  return _attention.flash_attention(q, keys, values, causal=True, sliding_window=window,
+                                    segment_ids=(own, jnp.concatenate(ss + [own], 1)), scale=scale, layout=layout,
+                                    block_sizes=block_sizes, implementation=implementation, interpret=interpret)
 
 
 def _ring(q, k, v, seg, *, axis_name, n, causal, zigzag, scale, layout, block_sizes, implementation, interpret):

@@ -99,6 +99,8 @@ def test_ring_attention_rejects_bad_input():
     _smap(lambda q: D.ring_attention(q, q, q, axis_name="x", causal=True, interpret=True), mesh, (SEQ,), SEQ)(q)
   with pytest.raises(KernelError, match="sequence_order"):
     _smap(lambda q: D.ring_attention(q, q, q, axis_name="x", sequence_order="striped"), mesh, (SEQ,), SEQ)(q)
+  with pytest.raises(KernelError, match="sliding_window"):
+    _smap(lambda q: D.ring_attention(q, q, q, axis_name="x", sliding_window=8), mesh, (SEQ,), SEQ)(q)
   with pytest.raises(KernelError, match="axis_name"):
     D.ring_attention(q, q, q, axis_name="x")  # outside shard_map
 
@@ -319,3 +321,21 @@ def test_sequence_parallel_ssd_equals_single_device():
   grads_ref = jax.vjp(lambda x, dt, B, C: ref(x, dt, B, C, reset)[0], *args[:4])[1](ct)
   for gg, gr in zip(grads, grads_ref):
     _close(gg, gr, 2e-4 * max(1.0, float(jnp.max(jnp.abs(gr)))))
+
+
+@pytest.mark.parametrize("n,window,segments", [(4, 24, False), (4, 100, True)])
+def test_ring_attention_sliding_window_is_a_halo(n, window, segments):
+  """A window shorter than a block (one neighbour's last rows) and one spanning two devices."""
+  mesh = _mesh(n)
+  b, s, h, d = 1, n * 64, 4, 64
+  q, k, v, do = (_normal(j, (b, s, hh, d)) for j, hh in enumerate((h, 2, 2, h)))
+  segs = jnp.asarray(np.repeat([0, 1], [s // 2 + 7, s - s // 2 - 7])[None]) if segments else None
+  ring = _smap(lambda q, k, v, sg: D.ring_attention(q, k, v, axis_name="x", causal=True, sliding_window=window,
+                                                    segment_ids=sg, interpret=True),
+               mesh, (SEQ, SEQ, SEQ, SEQ if segments else None), SEQ)
+  run = lambda q, k, v: ring(q, k, v, segs)  # noqa: E731
+  ref = functools.partial(kernels.attention_reference, causal=True, sliding_window=window, segment_ids=segs)
+  (out, vjp), (out_ref, vjp_ref) = jax.vjp(run, q, k, v), jax.vjp(ref, q, k, v)
+  _close(out, out_ref, F32_TOL)
+  for g, g_ref in zip(vjp(do), vjp_ref(do)):
+    _close(g, g_ref, F32_TOL)

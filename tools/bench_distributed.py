@@ -4,11 +4,11 @@ The cost model cannot time collectives (it charges them 0 cycles), so a multi-ch
 built in the notebook from these per-chip compute estimates and the communication model of
 :mod:`kernels.ici`. This script records:
 
-* ``ring``: one ring-attention step on one chip, floored compiler estimates: the diagonal step
-  (causal attention of the local ``L`` tokens) and a visiting step (zig-zag: ``L`` queries against
-  ``L / 2`` keys, or the reverse, the same FLOPs), forward (flash attention with its lse) and backward
-  (:func:`kernels.attention.attention_block_grads`); and the all-gathered baseline's busiest chip (its
-  ``L`` queries against all ``n L`` keys, causal).
+* ``ring``: one ring-attention step on one chip, floored compiler estimates: a visiting step
+  (zig-zag: ``L`` queries against ``L / 2`` keys, or the reverse, the same FLOPs), forward (flash
+  attention with its lse) and backward (:func:`kernels.attention.attention_block_grads`); at the
+  target size also the diagonal step's forward (causal attention of the local ``L`` tokens) and the
+  all-gathered baseline's busiest chip (its ``L`` queries against all ``n L`` keys, causal).
 * ``matmul``: the collective matmul's pieces, one step ``[m, k] x [k, f]`` and the whole local
   product ``[n m, k] x [k, f]``.
 * ``memory``: the compiled per-chip memory of ring attention (forward and backward) on the v5e 2x4
@@ -39,7 +39,11 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "kernels", "data", "distribu
 GENERATIONS = ("v5e", "v6e")
 N = 8                                # devices on the ring
 HEADS, KV_HEADS, HEAD_DIM = 8, 8, 128
-LOCALS = (4096, 16384)               # tokens per chip
+LOCALS = (16384, 4096)               # tokens per chip (the target case first)
+# The cases the notebook reads (each estimate takes minutes): the step at both sizes, the whole
+# forward (diagonal, visiting, all-gathered baseline) at the target size.
+NEEDED = {16384: ("diagonal forward", "visiting forward", "visiting backward", "gathered busiest forward"),
+          4096: ("visiting forward", "visiting backward")}
 MATMUL = (8192, 8192, 8192)          # the collective-matmul target: [M, K] x [K, F], x on rows, w on columns
 MEMORY_LOCALS = (2048, 8192, 16384)
 
@@ -81,6 +85,8 @@ def ring(table):
                                        4 * HEAD_DIM * HEADS * (L * (N - 1) * L + L * L / 2)),
       }
       for name, (fn, args, flops) in cases.items():
+        if name not in NEEDED[L]:
+          continue
         key = f"{gen}/L{L}/{name}"
         if key in table:
           continue
