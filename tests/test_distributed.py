@@ -267,6 +267,11 @@ def test_aot_compiles_on_multichip_topologies(generation, topology):
   local_inputs = (8 + 2 + 2) * s_local * 128 * 2
   assert c.memory["temp"] < 12 * local_inputs, c.memory  # O(S / n): a few copies of the local blocks
 
+  windowed = smap(lambda q, k, v: D.ring_attention(q, k, v, axis_name="x", causal=True, sliding_window=4096),
+                  (SEQ,) * 3, SEQ)
+  tpu.compile_for_tpu(jax.grad(lambda q, k, v: jnp.sum(windowed(q, k, v).astype(jnp.float32)), (0, 1, 2)), q, kv, kv,
+                      generation=generation)
+
   x, w = sds((n * 256, 1024), P("x")), sds((1024, 512), P())
   tpu.compile_for_tpu(smap(lambda x, w: D.all_gather_matmul(x, w, axis_name="x"), (P("x"), P()), P("x")), x, w,
                       generation=generation)
