@@ -58,6 +58,12 @@ visiting k/v block with the *whole* attention's ``lse`` and ``out``
 f32 accumulators that travel around the ring with k and v; one more step brings each accumulator home.
 GQA moves only the kv heads.
 
+*Why ``ppermute`` between kernel calls, not remote DMAs inside the flash kernel.* XLA already runs
+each ``ppermute`` asynchronously and overlaps it with the kernel of the same step, which is all a
+fused remote DMA would buy here; the flash-attention kernels stay the single-chip kernels, tuned
+and tested as such; and the transfers stay visible to XLA's scheduler and to the communication
+model. :func:`ring_all_gather` shows the remote-DMA way.
+
 Collective matmuls
 ------------------
 :func:`all_gather_matmul` (``x`` sharded on rows, ``w`` local): instead of all-gathering ``x`` and then

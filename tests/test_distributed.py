@@ -234,13 +234,35 @@ def test_ring_all_gather_equals_all_gather(n, bidirectional, dtype):
 
 
 def test_two_dimensional_mesh_data_by_model():
-  """Ring attention over 'model' with the batch sharded over 'data' (2 x 4)."""
+  """On a 2 x 4 ``data`` x ``model`` mesh: ring attention and the sequence-parallel scan over 'model' with the
+  batch sharded over 'data', and the all-gather matmul over 'model', forward and backward."""
   mesh = _mesh(8, ("data", "model"), (2, 4))
-  q, k, v = (_normal(j, (2, 4 * 32, 2, 64)) for j in range(3))
+  q, k, v, do = (_normal(j, (2, 4 * 32, 2, 64)) for j in range(4))
   spec = P("data", "model")
   ring = _smap(lambda q, k, v: D.ring_attention(q, k, v, axis_name="model", causal=True, interpret=True), mesh,
                (spec,) * 3, spec)
-  _close(ring(q, k, v), kernels.attention_reference(q, k, v, causal=True), F32_TOL)
+  ref = functools.partial(kernels.attention_reference, causal=True)
+  (out, vjp), (out_ref, vjp_ref) = jax.vjp(ring, q, k, v), jax.vjp(ref, q, k, v)
+  _close(out, out_ref, F32_TOL)
+  for g, g_ref in zip(vjp(do), vjp_ref(do)):
+    _close(g, g_ref, F32_TOL)
+
+  a = jax.random.uniform(jax.random.PRNGKey(1), (2, 4 * 16, 128), jnp.float32, 0.6, 1.0)
+  x = _normal(5, (2, 4 * 16, 128))
+  scan = _smap(lambda a, x: D.sequence_parallel_linear_scan(a, x, axis_name="model", interpret=True), mesh,
+               (spec, spec), spec)
+  ct = _normal(6, x.shape)
+  _close(scan(a, x), kernels.linear_scan_reference(a, x), F32_TOL)
+  for g, g_ref in zip(jax.vjp(scan, a, x)[1](ct), jax.vjp(kernels.linear_scan_reference, a, x)[1](ct)):
+    _close(g, g_ref, 2e-4)
+
+  xm, wm = _normal(7, (4 * 16, 128)), _normal(8, (128, 4 * 32))
+  ag = _smap(lambda x, w: D.all_gather_matmul(x, w, axis_name="model", interpret=True), mesh,
+             (P("model"), P(None, "model")), P(None, "model"))
+  ct = _normal(9, (4 * 16, 4 * 32))
+  _close(ag(xm, wm), xm @ wm, 4 * F32_TOL)
+  for g, g_ref in zip(jax.vjp(ag, xm, wm)[1](ct), jax.vjp(jnp.dot, xm, wm)[1](ct)):
+    _close(g, g_ref, 4 * F32_TOL)
 
 
 # --- AOT: multi-chip topologies ------------------------------------------------------------------------
