@@ -49,7 +49,7 @@ then does the same work in the natural order. Each such block (only the rows the
 comes by one ``ppermute``; one windowed :func:`flash_attention` runs over them and the local keys, its
 ``kv_len - q_len`` offset placing each query where it sits in the sequence; keys that wrapped round
 the ring from the last devices get a segment id no query has. Its gradient is flash attention's and
-the transposed ``ppermute``\ s.
+the transposed ``ppermute`` transfers.
 
 *Backward* (``custom_vjp``): the forward saves only its inputs, output and log-sum-exp. The backward
 walks the ring again: each step runs the flash-attention backward kernels on the local q against the
