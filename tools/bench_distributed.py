@@ -100,7 +100,7 @@ def ring(table):
         if name not in NEEDED[L]:
           continue
         key = f"{gen}/L{L}/{name}" + (f" (from {h} head)" if scale > 1 and name == "diagonal forward" else "")
-        if key in table:
+        if key in table and "error" not in table[key]:  # a failed estimate is tried again
           continue
         print(key, flush=True)
         try:
