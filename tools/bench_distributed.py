@@ -42,7 +42,7 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 8, 128
 LOCALS = (16384, 4096)               # tokens per chip (the target case first)
 # The cases the notebook reads (each estimate takes minutes): the step at both sizes, the whole
 # forward (diagonal, visiting, all-gathered baseline) at the target size.
-SLICE_HEADS = {16384: 1}
+SLICE_HEADS = {16384: 1, 4096: 1}
 # (The all-gathered baseline's busiest chip, 16k queries against 128k keys, is not estimated: even at
 # one head its profile needs more than 17 GB. The notebook composes it from these blocks.)
 NEEDED = {16384: ("diagonal forward", "visiting forward", "visiting backward"),
@@ -77,7 +77,7 @@ def _estimate(fn, args, generation, flops, scale=1):
 def ring(table):
   for gen in GENERATIONS:
     for L in LOCALS:
-      # At 16k tokens the cost model's profile of an 8-head program needs more than 17 GB: one head
+      # The cost model's profile of an 8-head backward block needs more than 17 GB at 4k tokens: one head
       # (and one kv head) is estimated and scaled by 8, checked on the diagonal step (both stored).
       h = SLICE_HEADS.get(L, HEADS)
       scale = HEADS // h
