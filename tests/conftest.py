@@ -6,38 +6,10 @@ import kernels  # noqa: E402,F401  (before JAX initialises a backend: enables th
 import pytest  # noqa: E402
 
 
-def _cpu_programs_compile_unoptimized() -> None:
-  """XLA:CPU programs of this test process compile with LLVM's optimizations off.
+# Interpret mode: XLA:CPU programs compile without LLVM's optimizations (see tests/cpu_compile.py).
+from tests.cpu_compile import cpu_programs_compile_unoptimized  # noqa: E402
 
-  Interpret-mode tests spend most of their time compiling, not running: every pallas_call is
-  traced afresh, discharged into an XLA:CPU program and compiled, then run once on small
-  arrays, so LLVM's optimization passes cost more than they save (a third of the CPU time of a
-  sample of interpret-mode tests: conv, ssd, attention, norm, fft, moe). The same optimized HLO
-  runs; XLA:CPU enables no fast-math either way, so at most a fused multiply-add rounds
-  differently, and no tolerance changes. Only the CPU backend: TPU compiles (the AOT tests, the
-  cost model) get JAX's options untouched. JAX has no per-backend switch for this
-  (`jax_disable_most_optimizations` would reach the TPU compiler too), hence the wrapper; if a
-  JAX version renames the private function, the tests run optimized, as before.
-  """
-  try:
-    from jax._src import compiler
-  except ImportError:  # pragma: no cover - a JAX without this module: optimized, as before
-    return
-  original = getattr(compiler, "get_compile_options", None)
-  if original is None or getattr(original, "_cpu_unoptimized", False):
-    return
-
-  def get_compile_options(*args, **kwargs):
-    options = original(*args, **kwargs)
-    backend = kwargs.get("backend")
-    if backend is not None and getattr(backend, "platform", None) == "cpu":
-      options.executable_build_options.debug_options.xla_backend_optimization_level = 0
-    return options
-  get_compile_options._cpu_unoptimized = True
-  compiler.get_compile_options = get_compile_options
-
-
-_cpu_programs_compile_unoptimized()
+cpu_programs_compile_unoptimized()
 
 # The AOT tests that also run in CI's second pass (Python 3.12, newest jax), marked `aot_smoke`
 # here rather than in the test files. That pass selects
