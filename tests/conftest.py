@@ -9,6 +9,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import kernels  # noqa: E402,F401  (before JAX initialises a backend: enables the TPU cost model)
 import pytest  # noqa: E402
 
+
+# Interpret mode: XLA:CPU programs compile without LLVM's optimizations (see tests/cpu_compile.py).
+from tests.cpu_compile import cpu_programs_compile_unoptimized  # noqa: E402
+
+cpu_programs_compile_unoptimized()
+
 # The AOT tests that also run in CI's second pass (Python 3.12, newest jax), marked `aot_smoke`
 # here rather than in the test files. That pass selects
 #     -m "not notebook and (not tpu_aot or aot_smoke)"

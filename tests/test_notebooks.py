@@ -111,6 +111,17 @@ def _kernel_python() -> str:
     return exe
 
 
+# Run in the kernel before the first cell: XLA:CPU programs (the notebooks' interpret-mode
+# checks) compile without LLVM's optimizations, as in the test processes (tests/cpu_compile.py;
+# TPU compiles and estimates are untouched). `kernels` first, as every notebook imports it; the
+# names are deleted, so the notebook's namespace is as before.
+_KERNEL_SETUP = (
+    "import kernels as _k, importlib.util as _u; "
+    f"_s = _u.spec_from_file_location('_cpu_compile', {str(ROOT / 'tests' / 'cpu_compile.py')!r}); "
+    "_m = _u.module_from_spec(_s); _s.loader.exec_module(_m); _m.cpu_programs_compile_unoptimized(); "
+    "del _k, _u, _s, _m")
+
+
 def _cell_excerpt(source: str, lines: int = 6) -> str:
     head = source.splitlines()[:lines]
     more = "\n    ..." if len(source.splitlines()) > lines else ""
@@ -175,6 +186,7 @@ def test_notebook(path: Path, monkeypatch):
         notebook,
         timeout=CELL_TIMEOUT,
         kernel_name=KERNEL_NAME,
+        extra_arguments=[f"--IPKernelApp.exec_lines={_KERNEL_SETUP}"],
         allow_errors=False,
         record_timing=False,  # as myst-nb: timings would change the cached cell metadata
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
