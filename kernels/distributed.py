@@ -404,7 +404,7 @@ def _ring(q, k, v, seg, *, axis_name, n, causal, zigzag, scale, layout, block_si
 # ---------------------------------------------------------------------------------
 
 
-def _check_matmul(x, w, name_rows: str):
+def _check_matmul(x, w):
   for name, a in (("x", x), ("w", w)):
     check(getattr(a, "ndim", None) == 2, name, a, "must be a 2-D array")
   check(x.shape[1] == w.shape[0], "w", w, f"must have {x.shape[1]} rows (x's columns, the contraction)")
@@ -425,7 +425,7 @@ def all_gather_matmul(x, w, *, axis_name, bidirectional=True, out_dtype=None, bl
   Returns:
     ``[n * m, f]``: every device's rows times the local ``w``, rows in device order.
   """
-  _check_matmul(x, w, "x")
+  _check_matmul(x, w)
   check_implementation(implementation, interpret)
   n, i = _axis(axis_name)
   m, f = x.shape[0], w.shape[1]
@@ -474,7 +474,7 @@ def matmul_reduce_scatter(x, w, *, axis_name, bidirectional=True, out_dtype=None
   Returns:
     ``[M / n, f]``: this device's row block of the sum over devices of ``x @ w``.
   """
-  _check_matmul(x, w, "x")
+  _check_matmul(x, w)
   check_implementation(implementation, interpret)
   n, i = _axis(axis_name)
   check(x.shape[0] % n == 0, "x", x, f"its rows ({x.shape[0]}) must be a multiple of the {n} devices of "
