@@ -651,11 +651,15 @@ def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementatio
   zero-padded to ``2 * seq``, so nothing wraps around); ``causal=False`` the circular one of
   length ``seq``. ``bias`` (``[channels]``, Hyena's ``D``) adds ``bias[c] * u``.
 
-  Both signals are real, so two batch halves ride in one complex transform: ``z = u[:B/2] +
-  i u[B/2:]``; ``ifft(fft(z) * fft(k))`` is ``u[:B/2] * k + i (u[B/2:] * k)`` because ``k`` is
-  real. The transforms are the kernels above; the pointwise product and the split run in XLA
-  between the calls: not one fused kernel, so the spectra make HBM round trips. Differentiable in ``u``, ``k``
-  and ``bias`` (the transforms' VJPs are the conjugate transforms).
+  **Fused** (``seq`` a multiple of 128 with ``2 * seq``, or ``seq`` when circular, in
+  (512, 65536]): one kernel does the filter's transform, the signal's, the spectral product
+  and the inverse in VMEM, with no transposes and the zero padding never stored (see
+  :mod:`kernels._fft_conv`); its backward is two more kernels (``du``, a correlation with
+  ``k``; ``dk``, the correlation with ``u`` summed over the batch in VMEM). Other lengths
+  compose the transform kernels above with the pointwise product in XLA (spectra make HBM
+  round trips). Either way two batch rows ride in one complex transform (``u`` and ``k`` are
+  real), and ``implementation=None`` falls back to :func:`fft_conv_reference` where Pallas
+  cannot serve.
 
   Returns:
     ``[batch, channels, seq]`` float32.
@@ -669,8 +673,23 @@ def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementatio
   if bias is not None:
     check(_is_array(bias) and tuple(bias.shape) == (c,), "bias", bias, f"must have shape {(c,)} ([channels])")
   check(isinstance(causal, bool), "causal", causal, "must be True or False")
+  check(precision in PRECISIONS, "precision", precision, f"must be one of {PRECISIONS}")
+  from kernels import _fft_conv  # noqa: PLC0415  (it imports this module)
+
+  def pallas(u, k, bias, interpret):
+    if _fft_conv.supported(t, causal):
+      return _fft_conv.fused_conv(u, k, bias, causal, precision, interpret)
+    return _composed_conv(u, k, bias, causal=causal, precision=precision, interpret=interpret)
+  return dispatch("fft_conv", u, k, bias, pallas=pallas,
+                  xla=lambda u, k, bias: fft_conv_reference(u, k, causal=causal, bias=bias),
+                  implementation=implementation, interpret=interpret)
+
+
+def _composed_conv(u, k, bias, *, causal, precision, interpret):
+  """The convolution from separate transform calls, the product in XLA between them (lengths the fused kernel does not take)."""
+  b, _, t = u.shape
   n = 2 * t if causal else t
-  kw = dict(precision=precision, implementation=implementation, interpret=interpret)
+  kw = dict(precision=precision, implementation="pallas", interpret=interpret)
   u32, k32 = u.astype(jnp.float32), k.astype(jnp.float32)
   half = (b + 1) // 2
   lo, hi = u32[:half], u32[half:]

@@ -14,6 +14,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import jax.extend
 import jax.test_util
 import numpy as np
 import pytest
@@ -272,6 +273,75 @@ def test_fft_conv_gradients():
     assert rel(a, b) < 1e-5
   jax.test_util.check_grads(lambda u, k: kfft.fft_conv(u, k, **PALLAS), (u, k), order=1, modes=("rev",),
                             atol=1e-2, rtol=1e-2)
+
+
+def _pallas_names(fn, *args):
+  """The names of the Pallas kernels ``fn`` calls, in nested jaxprs too (custom_vjp, platform_dependent)."""
+  names = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "pallas_call":
+        names.append(str(e.params.get("name")))
+        continue
+      for v in e.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return names
+
+
+# (batch, channels, seq, causal, bias, dtype): odd batch (a zero partner row), channels that are
+# not a multiple of the 8 per grid step, the smallest fused length (S = 6), circular, bf16 input
+FUSED = [(2, 3, 512, True, True, np.float32), (3, 10, 384, True, False, np.float32),
+         (4, 2, 1024, False, True, np.float32), (1, 4, 640, False, False, np.float32),
+         (2, 2, 512, True, False, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("b,c,t,causal,with_bias,dtype", FUSED)
+def test_fused_fft_conv_matches_direct_convolution_and_gradients(b, c, t, causal, with_bias, dtype):
+  rng = np.random.default_rng(b * 100 + c)
+  u = jnp.asarray(rng.standard_normal((b, c, t)), dtype)
+  k = jnp.asarray(rng.standard_normal((c, t)), dtype)
+  bias = jnp.asarray(rng.standard_normal(c), dtype) if with_bias else None
+  dy = jnp.asarray(rng.standard_normal((b, c, t)), jnp.float32)
+  f = lambda u, k, bias: kfft.fft_conv(u, k, causal=causal, bias=bias, **PALLAS)  # noqa: E731
+  assert _pallas_names(lambda u, k: f(u, k, bias), u, k) == ["fft_conv"]  # one fused kernel, nothing composed
+  y, vjp = jax.vjp(f, u, k, bias)
+  un, kn = np.asarray(u, np.float64), np.asarray(k, np.float64)
+  assert y.shape == u.shape and y.dtype == jnp.float32
+  assert rel(y, direct_conv(un, kn, causal, None if bias is None else np.asarray(bias, np.float64))) < 2e-6
+  ours = vjp(dy)
+  ref = jax.vjp(lambda u, k, bias: kfft.fft_conv_reference(u.astype(jnp.float32), k.astype(jnp.float32),
+                                                           causal=causal, bias=bias), u, k, bias)[1](dy)
+  bound = 2e-6 if dtype == np.float32 else 1e-2  # bf16 gradients are rounded to bf16
+  for name, a, r in zip(("du", "dk", "dbias"), ours, ref):
+    if r is None:
+      assert a is None
+      continue
+    assert a.dtype == dtype and rel(a, r) < bound, name
+
+
+def test_fused_fft_conv_backward_is_two_kernels_and_check_grads():
+  rng = np.random.default_rng(7)
+  u = jnp.asarray(rng.standard_normal((2, 2, 384)).astype(np.float32))
+  k = jnp.asarray(rng.standard_normal((2, 384)).astype(np.float32) / 20)
+  grad = lambda u, k: jax.grad(lambda u, k: kfft.fft_conv(u, k, **PALLAS).sum(), (0, 1))(u, k)  # noqa: E731
+  assert sorted(_pallas_names(grad, u, k)) == ["fft_conv", "fft_conv", "fft_conv_dk"]
+  jax.test_util.check_grads(lambda u, k: kfft.fft_conv(u, k, **PALLAS), (u, k), order=1, modes=("rev",),
+                            atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("precision", ["high", "bfloat16"])
+def test_fused_fft_conv_precisions(precision):
+  rng = np.random.default_rng(3)
+  u = rng.standard_normal((2, 2, 512)).astype(np.float32)
+  k = rng.standard_normal((2, 512)).astype(np.float32)
+  y = kfft.fft_conv(jnp.asarray(u), jnp.asarray(k), precision=precision, **PALLAS)
+  assert rel(y, direct_conv(u.astype(np.float64), k.astype(np.float64), True, None)) < BOUND[precision]
 
 
 def test_fft_conv_bad_input():

@@ -1,0 +1,296 @@
+"""The fused long convolution behind :func:`kernels.fft_conv`: FFT, spectral product and inverse FFT in one kernel.
+
+``y = u * k`` for a signal ``u`` ``[batch, channels, seq]`` and a per-channel filter ``k``
+``[channels, seq]`` (Hyena, FlashFFTConv). One grid step holds ``rows`` channels of two batch
+rows in VMEM and does everything there; HBM sees ``u`` read once, ``y`` written once and ``k``
+read once per channel block.
+
+*Two real rows in one complex transform.* ``u`` and ``k`` are real, so batch rows ``b`` and
+``b + B/2`` of one channel ride as ``z = u_lo + i u_hi``: ``ifft(fft(z) * K)`` is
+``(u_lo * k) + i (u_hi * k)`` because ``K = fft(k)`` belongs to a real filter.
+
+*No transposes, no digit reversal.* With ``n = 128 a + b`` (a row viewed as ``[S, 128]``, ``a``
+on sublanes) and ``k = k2 + S k1``, the forward transform is ``F_S`` down the sublanes (a
+left matmul), the twiddle ``W_N^(b k2)`` on the VPU and ``F_128`` across the lanes (a right
+matmul, ``M`` = every row of the block). That leaves the spectrum as ``Z[k2, k1]``: not the
+natural order, which a standalone FFT must restore with a transpose per row. A convolution
+never needs the natural order: the filter's spectrum is made by the same steps, so it is in
+the same order, and the inverse undoes the steps in reverse (``conj F_128`` on the right,
+the conjugate twiddle, ``conj F_S`` on the left), which lands ``y`` back in natural order.
+
+*Zero padding is free.* A causal convolution is a circular one of length ``n = 2 seq`` with
+both signals zero in their second half, and only the first half of the result is kept. In
+the ``[S, 128]`` view the zeros are the last ``S/2`` sublane rows, so the first left matmul
+uses only the first ``S/2`` columns of ``F_S`` and the last one computes only the first
+``S/2`` rows: those two matmuls do half the work, and the zeros are never stored.
+
+*The filter's spectrum* is computed in the kernel too, at the first batch step of each
+channel block (the batch is the inner, sequential grid axis), and kept in VMEM scratch for
+the other batch steps: ``k`` is read from HBM once.
+
+*Backward.* ``du`` is a correlation of ``dy`` with ``k``: the same kernel with the filter's
+spectrum conjugated. ``dk`` is the correlation of ``dy`` with ``u`` summed over the batch:
+a second kernel transforms both, accumulates ``conj(U) DY`` in VMEM across the batch steps
+and inverts the sum once per channel block. With packed rows the real part of that inverse
+is exactly ``corr(dy_lo, u_lo) + corr(dy_hi, u_hi)``; the cross terms land in the imaginary
+part, which is never formed.
+
+Matmul precision, the Gauss three-product complex matmul and the bf16 splits are those of
+:mod:`kernels.fft`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import tiling
+from kernels.backend import target_chip
+from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul_mat, _dot, _gauss, _phase, _split
+from kernels.hardware import get_chip
+
+MAX_ROWS = 8  # channels per grid step: the per-row left matmuls are unrolled
+
+
+def supported(t: int, causal: bool) -> bool:
+  """True when the fused kernel takes sequence length ``t`` (else ``fft_conv`` composes transform calls)."""
+  n = 2 * t if causal else t
+  return t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX
+
+
+@functools.lru_cache(maxsize=32)
+def _matrices(n: int, h: int, precision: str) -> tuple:
+  """The kernel's constant inputs for transform length ``n`` whose signals fill the first ``h``
+  of ``S = n / 128`` sublane rows: groups (F_S[:, :h], twiddle, F_128, conj F_128, conj
+  twiddle / n, conj F_S[:h, :]), DFTs as Gauss triples of bf16 pieces."""
+  s = n // LANES
+  a, j = np.arange(s), np.arange(LANES)
+  f1 = _gauss(*_phase(s, a[:, None], a[None, :h], False), precision)
+  tw = _phase(n, a[:, None], j[None, :], False)
+  f2 = _gauss(*_phase(LANES, j[:, None], j[None, :], False), precision)
+  g2 = _gauss(*_phase(LANES, j[:, None], j[None, :], True), precision)
+  itw = tuple(p / n for p in _phase(n, a[:, None], j[None, :], True))
+  g1 = _gauss(*_phase(s, a[:h, None], a[None, :], True), precision)
+  groups, flat, layout = (f1, tw, f2, g2, itw, g1), [], []
+  for g in groups:
+    items = [m for part in g for m in part] if isinstance(g[0], tuple) else [np.asarray(m, np.float32) for m in g]
+    flat += items
+    layout.append(len(items))
+  return tuple(flat), tuple(layout)
+
+
+def _unflatten(vals, layout, precision):
+  k = len(_split(np.zeros(1), precision))
+  out, i = [], 0
+  for c in layout:
+    g = vals[i:i + c]
+    out.append(tuple(tuple(g[j * k:(j + 1) * k]) for j in range(3)) if c == 3 * k else tuple(g))
+    i += c
+  return out
+
+
+def _forward(get_row, rows, s, f1, tw, f2, precision, yr_s, yi_s):
+  """Forward transforms of ``rows`` rows (``get_row(r)`` gives the ``[h, 128]`` planes; imag may be
+  None for a real row): the spectra as ``[rows * S, 128]`` planes in ``[k2, k1]`` order."""
+  tr, ti = tw
+  for r in range(rows):
+    xr, xi = get_row(r)
+    if xi is None:  # a real row: Fr x and Fi x, two products (Gauss's third multiplies zeros)
+      p1 = _dot(xr, f1[0], precision, left=True)
+      yr, yi = p1, p1 + _dot(xr, f1[1], precision, left=True)
+    else:
+      yr, yi = _cmul_mat(xr, xi, f1, precision, left=True)
+    yr_s[r] = yr * tr - yi * ti
+    yi_s[r] = yr * ti + yi * tr
+  return _cmul_mat(yr_s[...].reshape(rows * s, LANES), yi_s[...].reshape(rows * s, LANES), f2, precision,
+                   left=False)
+
+
+def _inverse(pr, pi, rows, s, g2, itw, g1, precision, put_row, real_only=False):
+  """Inverse transforms of ``[rows * S, 128]`` spectra in ``[k2, k1]`` order; ``put_row(r, re, im)``
+  takes each row's first ``h`` sublane rows (``im`` is None with ``real_only``)."""
+  vr, vi = _cmul_mat(pr, pi, g2, precision, left=False)
+  vr, vi = vr.reshape(rows, s, LANES), vi.reshape(rows, s, LANES)
+  tr, ti = itw
+  wr, wi = vr * tr - vi * ti, vr * ti + vi * tr
+  for r in range(rows):
+    if real_only:  # Re(G w) = Gr wr - Gi wi = P1 - P3 of the Gauss products
+      put_row(r, _dot(wr[r] + wi[r], g1[0], precision, left=True) - _dot(wi[r], g1[2], precision, left=True),
+              None)
+    else:
+      put_row(r, *_cmul_mat(wr[r], wi[r], g1, precision, left=True))
+
+
+def _conv_kernel(*refs, rows, s, precision, layout, conj_k, has_bias):
+  nm = sum(layout)
+  f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
+  k_ref, u_ref = refs[nm:nm + 2]
+  bias_ref = refs[nm + 2] if has_bias else None
+  y_ref, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
+  f32 = jnp.float32
+
+  @pl.when(pl.program_id(1) == 0)  # the filter's spectrum, once per channel block
+  def _():
+    zr, zi = _forward(lambda r: (k_ref[r].astype(f32), None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+    kr_s[...] = zr.reshape(rows, s, LANES)
+    ki_s[...] = (-zi if conj_k else zi).reshape(rows, s, LANES)
+
+  zr, zi = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
+                    precision, yr_s, yi_s)
+  zr, zi = zr.reshape(rows, s, LANES), zi.reshape(rows, s, LANES)
+  kr, ki = kr_s[...], ki_s[...]
+  pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
+
+  def put(r, a, b):
+    if has_bias:
+      a = a + bias_ref[r] * u_ref[0, 0, r].astype(f32)
+      b = b + bias_ref[r] * u_ref[1, 0, r].astype(f32)
+    y_ref[0, 0, r] = a
+    y_ref[1, 0, r] = b
+  _inverse(pr.reshape(rows * s, LANES), pi.reshape(rows * s, LANES), rows, s, g2, itw, g1, precision, put)
+
+
+def _corr_kernel(*refs, rows, s, precision, layout):
+  nm = sum(layout)
+  f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
+  u_ref, d_ref, dk_ref, ar_s, ai_s, yr_s, yi_s = refs[nm:]
+  f32 = jnp.float32
+  b = pl.program_id(1)
+
+  @pl.when(b == 0)
+  def _():
+    ar_s[...] = jnp.zeros_like(ar_s)
+    ai_s[...] = jnp.zeros_like(ai_s)
+
+  ur, ui = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
+                    precision, yr_s, yi_s)
+  dr, di = _forward(lambda r: (d_ref[0, 0, r].astype(f32), d_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
+                    precision, yr_s, yi_s)
+  shape = (rows, s, LANES)
+  ar_s[...] += (ur * dr + ui * di).reshape(shape)  # conj(U) DY
+  ai_s[...] += (ur * di - ui * dr).reshape(shape)
+
+  @pl.when(b == pl.num_programs(1) - 1)
+  def _():
+    def put(r, a, _):
+      dk_ref[r] = a
+    _inverse(ar_s[...].reshape(rows * s, LANES), ai_s[...].reshape(rows * s, LANES), rows, s, g2, itw, g1,
+             precision, put, real_only=True)
+
+
+def _plan(c: int, n: int, h: int, u_itemsize: int, chip):
+  """Channels per grid step and the VMEM limit: as many as fit (at most 8), blocks double-buffered."""
+  s = n // LANES
+  per_row = (2 * (2 * 2 * h * LANES * u_itemsize) + 2 * (2 * 2 * h * LANES * 4) + 2 * h * LANES * 4 * 2
+             + 4 * s * LANES * 4 + 14 * s * LANES * 4)  # u, y (or dy), k blocks; scratch; temporaries
+  c_ = get_chip(chip or "v5e")
+  rows = max(1, min(MAX_ROWS, c, (min(c_.vmem_bytes // 2, 48 << 20)) // per_row))
+  return rows, per_row * rows
+
+
+def _constants(n, h, precision):
+  flat, layout = _matrices(n, h, precision)
+  mats = [jnp.asarray(m) for m in flat]
+  return mats, layout, sum(int(m.size) * m.dtype.itemsize for m in mats)
+
+
+def _pair(u, h):
+  """``[B, C, t]`` as ``[2, B/2, C, h, 128]`` (a free reshape; an odd batch gets one zero row)."""
+  b, c, t = u.shape
+  if b % 2:
+    u = jnp.pad(u, ((0, 1), (0, 0), (0, 0)))
+    b += 1
+  return u.reshape(2, b // 2, c, h, LANES)
+
+
+def _conv_call(u, k, bias, *, causal, conj_k, precision, interpret):
+  """``y`` ``[B, C, t]`` f32 (``conj_k``: correlation with ``k`` instead, the ``du`` of the convolution)."""
+  b, c, t = u.shape
+  n, h = (2 * t if causal else t), t // LANES
+  s = n // LANES
+  chip = target_chip()
+  rows, need = _plan(c, n, h, u.dtype.itemsize, chip)
+  mats, layout, mat_bytes = _constants(n, h, precision)
+  u5 = _pair(u, h)
+  half = u5.shape[1]
+  full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
+  pair = pl.BlockSpec((2, 1, rows, h, LANES), lambda ci, bi: (0, bi, ci, 0, 0))
+  in_specs = [full(m) for m in mats] + [pl.BlockSpec((rows, h, LANES), lambda ci, bi: (ci, 0, 0)), pair]
+  args = [*mats, k.reshape(c, h, LANES), u5]
+  if bias is not None:
+    in_specs.append(pl.BlockSpec((rows, 1, LANES), lambda ci, bi: (ci, 0, 0)))
+    args.append(jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, LANES)))
+  passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
+  # per complex row: F_S on h of S rows (twice), F_128 twice, 3 real products each
+  flops = 3 * 2 * passes * (b + 1) // 2 * c * (2 * s * h * LANES + 2 * s * LANES * LANES)
+  y = pl.pallas_call(
+      functools.partial(_conv_kernel, rows=rows, s=s, precision=precision, layout=layout, conj_k=conj_k,
+                        has_bias=bias is not None),
+      grid=(tiling.cdiv(c, rows), half),
+      in_specs=in_specs,
+      out_specs=pair,
+      out_shape=jax.ShapeDtypeStruct(u5.shape, jnp.float32),
+      scratch_shapes=[pltpu.VMEM((rows, s, LANES), jnp.float32)] * 4,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary"),
+          vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
+                                    bytes_accessed=u5.size * (u.dtype.itemsize + 4) + k.size * 4 + mat_bytes),
+      interpret=interpret, name="fft_conv")(*args)
+  return y.reshape(-1, c, t)[:b]
+
+
+def _corr_call(u, dy, *, causal, precision, interpret):
+  """``dk[c, j] = sum_b sum_t dy[b, c, t] u[b, c, t - j]`` ``[C, t]`` f32: the filter's gradient."""
+  b, c, t = u.shape
+  n, h = (2 * t if causal else t), t // LANES
+  s = n // LANES
+  chip = target_chip()
+  rows, need = _plan(c, n, h, max(u.dtype.itemsize, dy.dtype.itemsize), chip)
+  mats, layout, mat_bytes = _constants(n, h, precision)
+  u5, d5 = _pair(u, h), _pair(dy, h)
+  full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
+  pair = pl.BlockSpec((2, 1, rows, h, LANES), lambda ci, bi: (0, bi, ci, 0, 0))
+  passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
+  flops = 3 * 2 * passes * c * ((b + 1) // 2 * 2 * (s * h * LANES + s * LANES * LANES) + s * LANES * LANES
+                                + s * h * LANES)
+  dk = pl.pallas_call(
+      functools.partial(_corr_kernel, rows=rows, s=s, precision=precision, layout=layout),
+      grid=(tiling.cdiv(c, rows), u5.shape[1]),
+      in_specs=[full(m) for m in mats] + [pair, pair],
+      out_specs=pl.BlockSpec((rows, h, LANES), lambda ci, bi: (ci, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((c, h, LANES), jnp.float32),
+      scratch_shapes=[pltpu.VMEM((rows, s, LANES), jnp.float32)] * 4,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary"),
+          vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
+                                    bytes_accessed=u5.size * u.dtype.itemsize + d5.size * dy.dtype.itemsize
+                                    + c * t * 4 + mat_bytes),
+      interpret=interpret, name="fft_conv_dk")(*mats, u5, d5)
+  return dk.reshape(c, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fused_conv(u, k, bias, causal, precision, interpret):
+  """``u * k (+ bias u)`` by the fused kernel; differentiable in ``u``, ``k`` and ``bias``."""
+  return _conv_call(u, k, bias, causal=causal, conj_k=False, precision=precision, interpret=interpret)
+
+
+def _fwd(u, k, bias, causal, precision, interpret):
+  return fused_conv(u, k, bias, causal, precision, interpret), (u, k, bias)
+
+
+def _bwd(causal, precision, interpret, res, dy):
+  u, k, bias = res
+  du = _conv_call(dy, k, bias, causal=causal, conj_k=True, precision=precision, interpret=interpret)
+  dk = _corr_call(u, dy, causal=causal, precision=precision, interpret=interpret)
+  db = None if bias is None else jnp.einsum("bct,bct->c", dy, u.astype(jnp.float32)).astype(bias.dtype)
+  return du.astype(u.dtype), dk.astype(k.dtype), db
+
+
+fused_conv.defvjp(_fwd, _bwd)
