@@ -28,12 +28,14 @@ uses only the first ``S/2`` columns of ``F_S`` and the last one computes only th
 channel block (the batch is the inner, sequential grid axis), and kept in VMEM scratch for
 the other batch steps: ``k`` is read from HBM once.
 
-*Backward.* ``du`` is a correlation of ``dy`` with ``k``: the same kernel with the filter's
-spectrum conjugated. ``dk`` is the correlation of ``dy`` with ``u`` summed over the batch:
-a second kernel transforms both, accumulates ``conj(U) DY`` in VMEM across the batch steps
-and inverts the sum once per channel block. With packed rows the real part of that inverse
-is exactly ``corr(dy_lo, u_lo) + corr(dy_hi, u_hi)``; the cross terms land in the imaginary
-part, which is never formed.
+*Backward: one kernel for both gradients.* ``du`` is a correlation of ``dy`` with ``k``
+(``ifft(DY conj K)``); ``dk`` is the correlation of ``dy`` with ``u`` summed over the batch.
+The backward kernel transforms ``dy`` and ``u`` once each per step, inverts ``DY conj K``
+into ``du``, and accumulates ``conj(U) DY`` in VMEM across the batch steps, inverting the
+sum once per channel block into ``dk``: three transforms per batch pair, where two separate
+kernels would take four. With packed rows the real part of that last inverse is exactly
+``corr(dy_lo, u_lo) + corr(dy_hi, u_hi)``; the cross terms land in the imaginary part,
+which is never formed.
 
 Matmul precision, the Gauss three-product complex matmul and the bf16 splits are those of
 :mod:`kernels.fft`.
@@ -125,7 +127,7 @@ def _inverse(pr, pi, rows, s, g2, itw, g1, precision, put_row, real_only=False):
       put_row(r, *_cmul_mat(wr[r], wi[r], g1, precision, left=True))
 
 
-def _conv_kernel(*refs, rows, s, precision, layout, conj_k, has_bias):
+def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
   nm = sum(layout)
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
   k_ref, u_ref = refs[nm:nm + 2]
@@ -137,7 +139,7 @@ def _conv_kernel(*refs, rows, s, precision, layout, conj_k, has_bias):
   def _():
     zr, zi = _forward(lambda r: (k_ref[r].astype(f32), None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
     kr_s[...] = zr.reshape(rows, s, LANES)
-    ki_s[...] = (-zi if conj_k else zi).reshape(rows, s, LANES)
+    ki_s[...] = zi.reshape(rows, s, LANES)
 
   zr, zi = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
                     precision, yr_s, yi_s)
@@ -154,48 +156,60 @@ def _conv_kernel(*refs, rows, s, precision, layout, conj_k, has_bias):
   _inverse(pr.reshape(rows * s, LANES), pi.reshape(rows * s, LANES), rows, s, g2, itw, g1, precision, put)
 
 
-def _corr_kernel(*refs, rows, s, precision, layout):
+def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
+  """``du`` (a correlation of ``dy`` with ``k``) and ``dk`` (``conj(U) DY`` summed over the batch
+  steps, inverted at the last): ``dy``'s transform is made once and serves both."""
   nm = sum(layout)
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
-  u_ref, d_ref, dk_ref, ar_s, ai_s, yr_s, yi_s = refs[nm:]
+  k_ref, u_ref, d_ref = refs[nm:nm + 3]
+  bias_ref = refs[nm + 3] if has_bias else None
+  du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 3 + has_bias:]
   f32 = jnp.float32
   b = pl.program_id(1)
+  shape = (rows, s, LANES)
 
-  @pl.when(b == 0)
+  @pl.when(b == 0)  # conj K, once per channel block; the dk accumulator starts at zero
   def _():
+    zr, zi = _forward(lambda r: (k_ref[r].astype(f32), None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+    kr_s[...] = zr.reshape(shape)
+    ki_s[...] = -zi.reshape(shape)
     ar_s[...] = jnp.zeros_like(ar_s)
     ai_s[...] = jnp.zeros_like(ai_s)
 
-  ur, ui = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
-                    precision, yr_s, yi_s)
   dr, di = _forward(lambda r: (d_ref[0, 0, r].astype(f32), d_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
                     precision, yr_s, yi_s)
-  shape = (rows, s, LANES)
+  ur, ui = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
+                    precision, yr_s, yi_s)
   ar_s[...] += (ur * dr + ui * di).reshape(shape)  # conj(U) DY
   ai_s[...] += (ur * di - ui * dr).reshape(shape)
+  dr, di = dr.reshape(shape), di.reshape(shape)
+  kr, ki = kr_s[...], ki_s[...]
+
+  def put_du(r, a, c):
+    if has_bias:
+      a = a + bias_ref[r] * d_ref[0, 0, r].astype(f32)
+      c = c + bias_ref[r] * d_ref[1, 0, r].astype(f32)
+    du_ref[0, 0, r] = a
+    du_ref[1, 0, r] = c
+  _inverse((dr * kr - di * ki).reshape(rows * s, LANES), (dr * ki + di * kr).reshape(rows * s, LANES), rows, s,
+           g2, itw, g1, precision, put_du)
 
   @pl.when(b == pl.num_programs(1) - 1)
   def _():
-    def put(r, a, _):
+    def put_dk(r, a, _):
       dk_ref[r] = a
     _inverse(ar_s[...].reshape(rows * s, LANES), ai_s[...].reshape(rows * s, LANES), rows, s, g2, itw, g1,
-             precision, put, real_only=True)
+             precision, put_dk, real_only=True)
 
 
-def _plan(c: int, n: int, h: int, u_itemsize: int, chip):
-  """Channels per grid step and the VMEM limit: as many as fit (at most 8), blocks double-buffered."""
+def _plan(c: int, n: int, h: int, u_itemsize: int, chip, scratch: int):
+  """Channels per grid step and the VMEM footprint: as many as fit (at most 8), blocks double-buffered."""
   s = n // LANES
-  per_row = (2 * (2 * 2 * h * LANES * u_itemsize) + 2 * (2 * 2 * h * LANES * 4) + 2 * h * LANES * 4 * 2
-             + 4 * s * LANES * 4 + 14 * s * LANES * 4)  # u, y (or dy), k blocks; scratch; temporaries
+  per_row = (2 * 2 * 2 * h * LANES * (2 * u_itemsize + 4) + 2 * 2 * h * LANES * 4  # pair blocks, k / dk blocks
+             + scratch * s * LANES * 4 + 14 * s * LANES * 4)  # scratch; temporaries
   c_ = get_chip(chip or "v5e")
   rows = max(1, min(MAX_ROWS, c, (min(c_.vmem_bytes // 2, 48 << 20)) // per_row))
   return rows, per_row * rows
-
-
-def _constants(n, h, precision):
-  flat, layout = _matrices(n, h, precision)
-  mats = [jnp.asarray(m) for m in flat]
-  return mats, layout, sum(int(m.size) * m.dtype.itemsize for m in mats)
 
 
 def _pair(u, h):
@@ -207,78 +221,82 @@ def _pair(u, h):
   return u.reshape(2, b // 2, c, h, LANES)
 
 
-def _conv_call(u, k, bias, *, causal, conj_k, precision, interpret):
-  """``y`` ``[B, C, t]`` f32 (``conj_k``: correlation with ``k`` instead, the ``du`` of the convolution)."""
+def _specs(mats, rows, h, bias):
+  full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
+  chan = pl.BlockSpec((rows, h, LANES), lambda ci, bi: (ci, 0, 0))
+  pair = pl.BlockSpec((2, 1, rows, h, LANES), lambda ci, bi: (0, bi, ci, 0, 0))
+  bias_spec = [] if bias is None else [pl.BlockSpec((rows, 1, LANES), lambda ci, bi: (ci, 0, 0))]
+  return [full(m) for m in mats], chan, pair, bias_spec
+
+
+def _bias_rows(bias, c):
+  return [] if bias is None else [jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, LANES))]
+
+
+def _call(kernel, name, u, k, bias, extra, out_shape, out_specs, flops, bytes_accessed, *, causal, precision,
+          interpret, temps):
+  """One of the two kernels on grid (channel blocks, batch pairs): the pair is the inner, sequential axis."""
   b, c, t = u.shape
   n, h = (2 * t if causal else t), t // LANES
   s = n // LANES
   chip = target_chip()
-  rows, need = _plan(c, n, h, u.dtype.itemsize, chip)
-  mats, layout, mat_bytes = _constants(n, h, precision)
-  u5 = _pair(u, h)
-  half = u5.shape[1]
-  full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
-  pair = pl.BlockSpec((2, 1, rows, h, LANES), lambda ci, bi: (0, bi, ci, 0, 0))
-  in_specs = [full(m) for m in mats] + [pl.BlockSpec((rows, h, LANES), lambda ci, bi: (ci, 0, 0)), pair]
-  args = [*mats, k.reshape(c, h, LANES), u5]
-  if bias is not None:
-    in_specs.append(pl.BlockSpec((rows, 1, LANES), lambda ci, bi: (ci, 0, 0)))
-    args.append(jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, LANES)))
+  rows, need = _plan(c, n, h, u.dtype.itemsize, chip, temps)
+  flat, layout = _matrices(n, h, precision)
+  mats = [jnp.asarray(m) for m in flat]
+  mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
+  mat_specs, chan, pair, bias_spec = _specs(mats, rows, h, bias)
+  pairs = [_pair(v, h) for v in (u, *extra)]
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
-  # per complex row: F_S on h of S rows (twice), F_128 twice, 3 real products each
-  flops = 3 * 2 * passes * (b + 1) // 2 * c * (2 * s * h * LANES + 2 * s * LANES * LANES)
-  y = pl.pallas_call(
-      functools.partial(_conv_kernel, rows=rows, s=s, precision=precision, layout=layout, conj_k=conj_k,
-                        has_bias=bias is not None),
-      grid=(tiling.cdiv(c, rows), half),
-      in_specs=in_specs,
-      out_specs=pair,
-      out_shape=jax.ShapeDtypeStruct(u5.shape, jnp.float32),
-      scratch_shapes=[pltpu.VMEM((rows, s, LANES), jnp.float32)] * 4,
+  return pl.pallas_call(
+      functools.partial(kernel, rows=rows, s=s, precision=precision, layout=layout, has_bias=bias is not None),
+      grid=(tiling.cdiv(c, rows), pairs[0].shape[1]),
+      in_specs=mat_specs + [chan] + [pair] * len(pairs) + bias_spec,
+      out_specs=out_specs(chan, pair),
+      out_shape=out_shape(pairs[0].shape, (c, h, LANES)),
+      scratch_shapes=[pltpu.VMEM((rows, s, LANES), jnp.float32)] * temps,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
-                                    bytes_accessed=u5.size * (u.dtype.itemsize + 4) + k.size * 4 + mat_bytes),
-      interpret=interpret, name="fft_conv")(*args)
+      cost_estimate=pl.CostEstimate(flops=flops(passes, pairs[0].shape[1] * c, s, h), transcendentals=0,
+                                    bytes_accessed=bytes_accessed(pairs[0].size) + mat_bytes),
+      interpret=interpret, name=name)(*mats, k.reshape(c, h, LANES), *pairs, *_bias_rows(bias, c))
+
+
+def _fft_flops(passes, s, h):
+  """Matmul FLOPs of one complex row's transform (3 real products): ``F_S`` on ``h`` of ``S`` rows, ``F_128``."""
+  return 3 * 2 * passes * (s * h * LANES + s * LANES * LANES)
+
+
+def _conv_call(u, k, bias, *, causal, precision, interpret):
+  """``y = u * k (+ bias u)``, ``[B, C, t]`` f32."""
+  b, c, t = u.shape
+  y = _call(_conv_kernel, "fft_conv", u, k, bias, (),
+            out_shape=lambda pshape, cshape: jax.ShapeDtypeStruct(pshape, jnp.float32),
+            out_specs=lambda chan, pair: pair,
+            flops=lambda p, rows, s, h: 2 * rows * _fft_flops(p, s, h),
+            bytes_accessed=lambda size: size * (u.dtype.itemsize + 4) + k.size * k.dtype.itemsize,
+            causal=causal, precision=precision, interpret=interpret, temps=4)
   return y.reshape(-1, c, t)[:b]
 
 
-def _corr_call(u, dy, *, causal, precision, interpret):
-  """``dk[c, j] = sum_b sum_t dy[b, c, t] u[b, c, t - j]`` ``[C, t]`` f32: the filter's gradient."""
+def _bwd_call(u, k, bias, dy, *, causal, precision, interpret):
+  """``(du [B, C, t], dk [C, t])``, f32: one kernel, ``dy``'s transform shared by both."""
   b, c, t = u.shape
-  n, h = (2 * t if causal else t), t // LANES
-  s = n // LANES
-  chip = target_chip()
-  rows, need = _plan(c, n, h, max(u.dtype.itemsize, dy.dtype.itemsize), chip)
-  mats, layout, mat_bytes = _constants(n, h, precision)
-  u5, d5 = _pair(u, h), _pair(dy, h)
-  full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
-  pair = pl.BlockSpec((2, 1, rows, h, LANES), lambda ci, bi: (0, bi, ci, 0, 0))
-  passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
-  flops = 3 * 2 * passes * c * ((b + 1) // 2 * 2 * (s * h * LANES + s * LANES * LANES) + s * LANES * LANES
-                                + s * h * LANES)
-  dk = pl.pallas_call(
-      functools.partial(_corr_kernel, rows=rows, s=s, precision=precision, layout=layout),
-      grid=(tiling.cdiv(c, rows), u5.shape[1]),
-      in_specs=[full(m) for m in mats] + [pair, pair],
-      out_specs=pl.BlockSpec((rows, h, LANES), lambda ci, bi: (ci, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((c, h, LANES), jnp.float32),
-      scratch_shapes=[pltpu.VMEM((rows, s, LANES), jnp.float32)] * 4,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary"),
-          vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
-                                    bytes_accessed=u5.size * u.dtype.itemsize + d5.size * dy.dtype.itemsize
-                                    + c * t * 4 + mat_bytes),
-      interpret=interpret, name="fft_conv_dk")(*mats, u5, d5)
-  return dk.reshape(c, t)
+  du, dk = _call(_bwd_kernel, "fft_conv_bwd", u, k, bias, (dy,),
+                 out_shape=lambda pshape, cshape: (jax.ShapeDtypeStruct(pshape, jnp.float32),
+                                                   jax.ShapeDtypeStruct(cshape, jnp.float32)),
+                 out_specs=lambda chan, pair: (pair, chan),
+                 flops=lambda p, rows, s, h: 3 * rows * _fft_flops(p, s, h),
+                 bytes_accessed=lambda size: size * (u.dtype.itemsize + dy.dtype.itemsize + 4)
+                 + 2 * k.size * 4,
+                 causal=causal, precision=precision, interpret=interpret, temps=6)
+  return du.reshape(-1, c, t)[:b], dk.reshape(c, t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def fused_conv(u, k, bias, causal, precision, interpret):
   """``u * k (+ bias u)`` by the fused kernel; differentiable in ``u``, ``k`` and ``bias``."""
-  return _conv_call(u, k, bias, causal=causal, conj_k=False, precision=precision, interpret=interpret)
+  return _conv_call(u, k, bias, causal=causal, precision=precision, interpret=interpret)
 
 
 def _fwd(u, k, bias, causal, precision, interpret):
@@ -287,8 +305,7 @@ def _fwd(u, k, bias, causal, precision, interpret):
 
 def _bwd(causal, precision, interpret, res, dy):
   u, k, bias = res
-  du = _conv_call(dy, k, bias, causal=causal, conj_k=True, precision=precision, interpret=interpret)
-  dk = _corr_call(u, dy, causal=causal, precision=precision, interpret=interpret)
+  du, dk = _bwd_call(u, k, bias, dy, causal=causal, precision=precision, interpret=interpret)
   db = None if bias is None else jnp.einsum("bct,bct->c", dy, u.astype(jnp.float32)).astype(bias.dtype)
   return du.astype(u.dtype), dk.astype(k.dtype), db
 
