@@ -52,7 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import target_chip
-from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul_mat, _dot, _gauss, _phase, _split
+from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _PARTS, _cmul_mat, _dot, _gauss, _phase, _pieces, _split
 from kernels.hardware import get_chip
 
 MAX_ROWS = 8  # channels per grid step: the per-row left matmuls are unrolled
@@ -64,25 +64,77 @@ def supported(t: int, causal: bool) -> bool:
   return t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX
 
 
+def lane_width(t: int, chip=None) -> int:
+  """The width ``L`` of a row's ``[S, L]`` view: the MXU's side (256 on v6e) when it divides
+  ``seq`` and leaves at least 8 data rows, else 128. The second matmul of each transform
+  is ``[rows * S, L] x [L, L]``, so a 256-wide MXU is filled only when ``L`` is 256."""
+  side = get_chip(chip or "v5e").mxu_shape[0]
+  return side if side > LANES and t % side == 0 and t // side >= 8 else LANES
+
+
+def _stacked(s: int, h: int) -> bool:
+  """Whether the left matmuls take stacked pieces: their f32 results are cut at multiples of the
+  rows (``S`` forward, ``h`` inverse), which must be whole sublane tiles."""
+  return s % 8 == 0 and h % 8 == 0
+
+
+def _stack(gauss3: tuple, precision: str) -> tuple:
+  """A left-multiplied Gauss triple with each matrix's bf16 pieces stacked by rows: for data piece
+  ``i``, the pieces it multiplies (``m_1 .. m_(P - i)``) in one operand, so one MXU weight load of
+  the data serves every product that needs it (the data is the matmul's stationary side)."""
+  p = _PARTS[precision]
+  return tuple(tuple(np.concatenate(m[:p - i], axis=0) for i in range(p)) for m in gauss3)
+
+
 @functools.lru_cache(maxsize=32)
-def _matrices(n: int, h: int, precision: str) -> tuple:
-  """The kernel's constant inputs for transform length ``n`` whose signals fill the first ``h``
-  of ``S = n / 128`` sublane rows: groups (F_S[:, :h], twiddle, F_128, conj F_128, conj
-  twiddle / n, conj F_S[:h, :]), DFTs as Gauss triples of bf16 pieces."""
-  s = n // LANES
-  a, j = np.arange(s), np.arange(LANES)
+def _matrices(n: int, h: int, width: int, precision: str) -> tuple:
+  """The kernel's constant inputs for transform length ``n`` viewed as ``[S, L]`` (``L = width``)
+  whose signals fill the first ``h`` of the ``S`` sublane rows: groups (F_S[:, :h], twiddle,
+  F_L, conj F_L, conj twiddle / n, conj F_S[:h, :]), DFTs as Gauss triples of bf16 pieces
+  (the left-multiplied ones stacked, see :func:`_stack`, when :func:`_stacked`)."""
+  s = n // width
+  a, j = np.arange(s), np.arange(width)
   f1 = _gauss(*_phase(s, a[:, None], a[None, :h], False), precision)
   tw = _phase(n, a[:, None], j[None, :], False)
-  f2 = _gauss(*_phase(LANES, j[:, None], j[None, :], False), precision)
-  g2 = _gauss(*_phase(LANES, j[:, None], j[None, :], True), precision)
+  f2 = _gauss(*_phase(width, j[:, None], j[None, :], False), precision)
+  g2 = _gauss(*_phase(width, j[:, None], j[None, :], True), precision)
   itw = tuple(p / n for p in _phase(n, a[:, None], j[None, :], True))
   g1 = _gauss(*_phase(s, a[:h, None], a[None, :], True), precision)
+  if _stacked(s, h):
+    f1, g1 = _stack(f1, precision), _stack(g1, precision)
   groups, flat, layout = (f1, tw, f2, g2, itw, g1), [], []
   for g in groups:
     items = [m for part in g for m in part] if isinstance(g[0], tuple) else [np.asarray(m, np.float32) for m in g]
     flat += items
     layout.append(len(items))
   return tuple(flat), tuple(layout)
+
+
+def _ldot(a, mats, precision: str, stacked: bool):
+  """``m @ a`` for f32 data ``a`` (``fft._dot``'s products, summed in the same order); with stacked
+  pieces, one matmul per data piece whose result rows are cut into the products."""
+  if not stacked:
+    return _dot(a, mats, precision, left=True)
+  parts = _pieces(a, precision)
+  r = mats[-1].shape[0]  # the rows of one piece
+  res = [jnp.dot(m, x, preferred_element_type=jnp.float32) for m, x in zip(mats, parts)]
+  prod = lambda i, j: res[i][j * r:(j + 1) * r]  # noqa: E731  (data piece i times matrix piece j)
+  if precision == "bfloat16":
+    return res[0]
+  if precision == "high":
+    return prod(0, 0) + (prod(1, 0) + prod(0, 1))
+  small = (prod(0, 2) + prod(2, 0)) + prod(1, 1)
+  return prod(0, 0) + ((prod(0, 1) + prod(1, 0)) + small)
+
+
+def _cmul_left(xr, xi, g, precision: str, stacked: bool):
+  """Complex ``F @ X`` with Gauss's three products, as ``fft._cmul_mat``; ``xi`` None: a real ``X`` (two)."""
+  p1 = _ldot(xr if xi is None else xr + xi, g[0], precision, stacked)
+  p2 = _ldot(xr, g[1], precision, stacked)
+  if xi is None:
+    return p1, p1 + p2
+  p3 = _ldot(xi, g[2], precision, stacked)
+  return p1 - p3, p1 + p2
 
 
 def _unflatten(vals, layout, precision):
@@ -99,16 +151,14 @@ def _forward(get_row, rows, s, f1, tw, f2, precision, yr_s, yi_s):
   """Forward transforms of ``rows`` rows (``get_row(r)`` gives the ``[h, 128]`` planes; imag may be
   None for a real row): the spectra as ``[rows * S, 128]`` planes in ``[k2, k1]`` order."""
   tr, ti = tw
+  stacked = _stacked(s, f1[0][-1].shape[1])
   for r in range(rows):
-    xr, xi = get_row(r)
-    if xi is None:  # a real row: Fr x and Fi x, two products (Gauss's third multiplies zeros)
-      p1 = _dot(xr, f1[0], precision, left=True)
-      yr, yi = p1, p1 + _dot(xr, f1[1], precision, left=True)
-    else:
-      yr, yi = _cmul_mat(xr, xi, f1, precision, left=True)
+    xr, xi = get_row(r)  # a real row (xi None): Fr x and Fi x, two products (Gauss's third multiplies zeros)
+    yr, yi = _cmul_left(xr, xi, f1, precision, stacked)
     yr_s[r] = yr * tr - yi * ti
     yi_s[r] = yr * ti + yi * tr
-  return _cmul_mat(yr_s[...].reshape(rows * s, LANES), yi_s[...].reshape(rows * s, LANES), f2, precision,
+  w = tr.shape[-1]
+  return _cmul_mat(yr_s[...].reshape(rows * s, w), yi_s[...].reshape(rows * s, w), f2, precision,
                    left=False)
 
 
@@ -116,15 +166,15 @@ def _inverse(pr, pi, rows, s, g2, itw, g1, precision, put_row, real_only=False):
   """Inverse transforms of ``[rows * S, 128]`` spectra in ``[k2, k1]`` order; ``put_row(r, re, im)``
   takes each row's first ``h`` sublane rows (``im`` is None with ``real_only``)."""
   vr, vi = _cmul_mat(pr, pi, g2, precision, left=False)
-  vr, vi = vr.reshape(rows, s, LANES), vi.reshape(rows, s, LANES)
+  vr, vi = vr.reshape(rows, s, -1), vi.reshape(rows, s, -1)
   tr, ti = itw
   wr, wi = vr * tr - vi * ti, vr * ti + vi * tr
+  stacked = _stacked(s, g1[0][-1].shape[0])
   for r in range(rows):
     if real_only:  # Re(G w) = Gr wr - Gi wi = P1 - P3 of the Gauss products
-      put_row(r, _dot(wr[r] + wi[r], g1[0], precision, left=True) - _dot(wi[r], g1[2], precision, left=True),
-              None)
+      put_row(r, _ldot(wr[r] + wi[r], g1[0], precision, stacked) - _ldot(wi[r], g1[2], precision, stacked), None)
     else:
-      put_row(r, *_cmul_mat(wr[r], wi[r], g1, precision, left=True))
+      put_row(r, *_cmul_left(wr[r], wi[r], g1, precision, stacked))
 
 
 def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
@@ -138,12 +188,12 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
   @pl.when(pl.program_id(1) == 0)  # the filter's spectrum, once per channel block
   def _():
     zr, zi = _forward(lambda r: (k_ref[r].astype(f32), None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
-    kr_s[...] = zr.reshape(rows, s, LANES)
-    ki_s[...] = zi.reshape(rows, s, LANES)
+    kr_s[...] = zr.reshape(kr_s.shape)
+    ki_s[...] = zi.reshape(ki_s.shape)
 
   zr, zi = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
                     precision, yr_s, yi_s)
-  zr, zi = zr.reshape(rows, s, LANES), zi.reshape(rows, s, LANES)
+  zr, zi = zr.reshape(kr_s.shape), zi.reshape(kr_s.shape)
   kr, ki = kr_s[...], ki_s[...]
   pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
 
@@ -153,7 +203,7 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
       b = b + bias_ref[r] * u_ref[1, 0, r].astype(f32)
     y_ref[0, 0, r] = a
     y_ref[1, 0, r] = b
-  _inverse(pr.reshape(rows * s, LANES), pi.reshape(rows * s, LANES), rows, s, g2, itw, g1, precision, put)
+  _inverse(pr.reshape(rows * s, -1), pi.reshape(rows * s, -1), rows, s, g2, itw, g1, precision, put)
 
 
 def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
@@ -166,7 +216,7 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
   du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 3 + has_bias:]
   f32 = jnp.float32
   b = pl.program_id(1)
-  shape = (rows, s, LANES)
+  shape = kr_s.shape
 
   @pl.when(b == 0)  # conj K, once per channel block; the dk accumulator starts at zero
   def _():
@@ -191,80 +241,80 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
       c = c + bias_ref[r] * d_ref[1, 0, r].astype(f32)
     du_ref[0, 0, r] = a
     du_ref[1, 0, r] = c
-  _inverse((dr * kr - di * ki).reshape(rows * s, LANES), (dr * ki + di * kr).reshape(rows * s, LANES), rows, s,
+  _inverse((dr * kr - di * ki).reshape(rows * s, -1), (dr * ki + di * kr).reshape(rows * s, -1), rows, s,
            g2, itw, g1, precision, put_du)
 
   @pl.when(b == pl.num_programs(1) - 1)
   def _():
     def put_dk(r, a, _):
       dk_ref[r] = a
-    _inverse(ar_s[...].reshape(rows * s, LANES), ai_s[...].reshape(rows * s, LANES), rows, s, g2, itw, g1,
+    _inverse(ar_s[...].reshape(rows * s, -1), ai_s[...].reshape(rows * s, -1), rows, s, g2, itw, g1,
              precision, put_dk, real_only=True)
 
 
-def _plan(c: int, n: int, h: int, u_itemsize: int, chip, scratch: int):
+def _plan(c: int, n: int, t: int, u_itemsize: int, chip, scratch: int):
   """Channels per grid step and the VMEM footprint: as many as fit (at most 8), blocks double-buffered."""
-  s = n // LANES
-  per_row = (2 * 2 * 2 * h * LANES * (2 * u_itemsize + 4) + 2 * 2 * h * LANES * 4  # pair blocks, k / dk blocks
-             + scratch * s * LANES * 4 + 14 * s * LANES * 4)  # scratch; temporaries
+  per_row = (2 * 2 * 2 * t * (2 * u_itemsize + 4) + 2 * 2 * t * 4  # pair blocks, k / dk blocks
+             + scratch * n * 4 + 14 * n * 4)  # scratch; temporaries
   c_ = get_chip(chip or "v5e")
   rows = max(1, min(MAX_ROWS, c, (min(c_.vmem_bytes // 2, 48 << 20)) // per_row))
   return rows, per_row * rows
 
 
-def _pair(u, h):
-  """``[B, C, t]`` as ``[2, B/2, C, h, 128]`` (a free reshape; an odd batch gets one zero row)."""
+def _pair(u, h, w):
+  """``[B, C, t]`` as ``[2, B/2, C, h, L]`` (a free reshape; an odd batch gets one zero row)."""
   b, c, t = u.shape
   if b % 2:
     u = jnp.pad(u, ((0, 1), (0, 0), (0, 0)))
     b += 1
-  return u.reshape(2, b // 2, c, h, LANES)
+  return u.reshape(2, b // 2, c, h, w)
 
 
-def _specs(mats, rows, h, bias):
+def _specs(mats, rows, h, w, bias):
   full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
-  chan = pl.BlockSpec((rows, h, LANES), lambda ci, bi: (ci, 0, 0))
-  pair = pl.BlockSpec((2, 1, rows, h, LANES), lambda ci, bi: (0, bi, ci, 0, 0))
-  bias_spec = [] if bias is None else [pl.BlockSpec((rows, 1, LANES), lambda ci, bi: (ci, 0, 0))]
+  chan = pl.BlockSpec((rows, h, w), lambda ci, bi: (ci, 0, 0))
+  pair = pl.BlockSpec((2, 1, rows, h, w), lambda ci, bi: (0, bi, ci, 0, 0))
+  bias_spec = [] if bias is None else [pl.BlockSpec((rows, 1, w), lambda ci, bi: (ci, 0, 0))]
   return [full(m) for m in mats], chan, pair, bias_spec
 
 
-def _bias_rows(bias, c):
-  return [] if bias is None else [jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, LANES))]
+def _bias_rows(bias, c, w):
+  return [] if bias is None else [jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, w))]
 
 
 def _call(kernel, name, u, k, bias, extra, out_shape, out_specs, flops, bytes_accessed, *, causal, precision,
           interpret, temps):
   """One of the two kernels on grid (channel blocks, batch pairs): the pair is the inner, sequential axis."""
   b, c, t = u.shape
-  n, h = (2 * t if causal else t), t // LANES
-  s = n // LANES
   chip = target_chip()
-  rows, need = _plan(c, n, h, u.dtype.itemsize, chip, temps)
-  flat, layout = _matrices(n, h, precision)
+  w = lane_width(t, chip)
+  n, h = (2 * t if causal else t), t // w
+  s = n // w
+  rows, need = _plan(c, n, t, u.dtype.itemsize, chip, temps)
+  flat, layout = _matrices(n, h, w, precision)
   mats = [jnp.asarray(m) for m in flat]
   mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
-  mat_specs, chan, pair, bias_spec = _specs(mats, rows, h, bias)
-  pairs = [_pair(v, h) for v in (u, *extra)]
+  mat_specs, chan, pair, bias_spec = _specs(mats, rows, h, w, bias)
+  pairs = [_pair(v, h, w) for v in (u, *extra)]
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   return pl.pallas_call(
       functools.partial(kernel, rows=rows, s=s, precision=precision, layout=layout, has_bias=bias is not None),
       grid=(tiling.cdiv(c, rows), pairs[0].shape[1]),
       in_specs=mat_specs + [chan] + [pair] * len(pairs) + bias_spec,
       out_specs=out_specs(chan, pair),
-      out_shape=out_shape(pairs[0].shape, (c, h, LANES)),
-      scratch_shapes=[pltpu.VMEM((rows, s, LANES), jnp.float32)] * temps,
+      out_shape=out_shape(pairs[0].shape, (c, h, w)),
+      scratch_shapes=[pltpu.VMEM((rows, s, w), jnp.float32)] * temps,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
-      cost_estimate=pl.CostEstimate(flops=flops(passes, pairs[0].shape[1] * c, s, h), transcendentals=0,
+      cost_estimate=pl.CostEstimate(flops=flops(passes, pairs[0].shape[1] * c, s, h, w), transcendentals=0,
                                     bytes_accessed=bytes_accessed(pairs[0].size) + mat_bytes),
-      interpret=interpret, name=name)(*mats, k.reshape(c, h, LANES), *pairs, *_bias_rows(bias, c))
+      interpret=interpret, name=name)(*mats, k.reshape(c, h, w), *pairs, *_bias_rows(bias, c, w))
 
 
-def _fft_flops(passes, s, h):
-  """Matmul FLOPs of one complex row's transform (3 real products): ``F_S`` on ``h`` of ``S`` rows, ``F_128``."""
-  return 3 * 2 * passes * (s * h * LANES + s * LANES * LANES)
+def _fft_flops(passes, s, h, w):
+  """Matmul FLOPs of one complex row's transform (3 real products): ``F_S`` on ``h`` of ``S`` rows, ``F_L``."""
+  return 3 * 2 * passes * (s * h * w + s * w * w)
 
 
 def _conv_call(u, k, bias, *, causal, precision, interpret):
@@ -273,7 +323,7 @@ def _conv_call(u, k, bias, *, causal, precision, interpret):
   y = _call(_conv_kernel, "fft_conv", u, k, bias, (),
             out_shape=lambda pshape, cshape: jax.ShapeDtypeStruct(pshape, jnp.float32),
             out_specs=lambda chan, pair: pair,
-            flops=lambda p, rows, s, h: 2 * rows * _fft_flops(p, s, h),
+            flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
             bytes_accessed=lambda size: size * (u.dtype.itemsize + 4) + k.size * k.dtype.itemsize,
             causal=causal, precision=precision, interpret=interpret, temps=4)
   return y.reshape(-1, c, t)[:b]
@@ -286,7 +336,7 @@ def _bwd_call(u, k, bias, dy, *, causal, precision, interpret):
                  out_shape=lambda pshape, cshape: (jax.ShapeDtypeStruct(pshape, jnp.float32),
                                                    jax.ShapeDtypeStruct(cshape, jnp.float32)),
                  out_specs=lambda chan, pair: (pair, chan),
-                 flops=lambda p, rows, s, h: 3 * rows * _fft_flops(p, s, h),
+                 flops=lambda p, rows, s, h, w: 3 * rows * _fft_flops(p, s, h, w),
                  bytes_accessed=lambda size: size * (u.dtype.itemsize + dy.dtype.itemsize + 4)
                  + 2 * k.size * 4,
                  causal=causal, precision=precision, interpret=interpret, temps=6)

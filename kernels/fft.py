@@ -98,6 +98,7 @@ from kernels.errors import KernelError, check
 from kernels.hardware import get_chip
 
 __all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "fft_conv", "fft_conv_reference",
+           "fft_conv_fuses",
            "PRECISIONS", "block_max", "supported_length"]
 
 PRECISIONS = ("bfloat16", "high", "highest")
@@ -193,6 +194,21 @@ def _matrices(n: int, inverse: bool, scale: float, precision: str) -> tuple:
 # ---------------------------------------------------------------------------------
 
 
+def _pieces(a, precision: str) -> list:
+  """f32 data ``a`` as 1, 2 or 3 bf16 pieces summing to it: the top 16 bits of the f32 pattern
+  are exactly a bf16 and the rest is exactly an f32, so truncation splits without rounding."""
+  parts, rest = [], a
+  for i in range(_PARTS[precision]):
+    if i + 1 < _PARTS[precision]:
+      top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                     jnp.float32)
+      parts.append(top.astype(jnp.bfloat16))
+      rest = rest - top
+    else:
+      parts.append(rest.astype(jnp.bfloat16))
+  return parts
+
+
 def _dot(a, mats, precision: str, left: bool):
   """``m @ a`` (left) or ``a @ m`` for f32 data ``a`` and a matrix given as bf16 pieces ``mats``.
 
@@ -203,15 +219,7 @@ def _dot(a, mats, precision: str, left: bool):
   def mm(x, m):
     return jnp.dot(m, x, preferred_element_type=jnp.float32) if left else \
         jnp.dot(x, m, preferred_element_type=jnp.float32)
-  parts, rest = [], a
-  for i in range(_PARTS[precision]):
-    if i + 1 < _PARTS[precision]:  # the top 16 bits: exactly a bf16; the rest exactly an f32
-      top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
-                                     jnp.float32)
-      parts.append(top.astype(jnp.bfloat16))
-      rest = rest - top
-    else:
-      parts.append(rest.astype(jnp.bfloat16))
+  parts = _pieces(a, precision)
   if precision == "bfloat16":
     return mm(parts[0], mats[0])
   if precision == "high":
@@ -703,6 +711,13 @@ def _composed_conv(u, k, bias, *, causal, precision, interpret):
   if bias is not None:
     y = y + u32 * bias.astype(jnp.float32)[:, None]
   return y
+
+
+def fft_conv_fuses(seq: int, causal: bool = True) -> bool:
+  """True when :func:`fft_conv` at sequence length ``seq`` runs as one fused kernel (``seq`` a
+  multiple of 128 whose padded transform length, ``2 * seq`` or ``seq``, is in (512, 65536])."""
+  from kernels import _fft_conv  # noqa: PLC0415
+  return _fft_conv.supported(seq, causal)
 
 
 def fft_conv_reference(u, k, *, causal=True, bias=None):

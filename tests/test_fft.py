@@ -295,10 +295,12 @@ def _pallas_names(fn, *args):
 
 
 # (batch, channels, seq, causal, bias, dtype): odd batch (a zero partner row), channels that are
-# not a multiple of the 8 per grid step, the smallest fused length (S = 6), circular, bf16 input
+# not a multiple of the 8 per grid step, the smallest fused length (S = 6), circular, bf16 input,
+# and the stacked left matmuls (S and seq / 128 multiples of 8: seq 1024 causal, 2048 circular)
 FUSED = [(2, 3, 512, True, True, np.float32), (3, 10, 384, True, False, np.float32),
          (4, 2, 1024, False, True, np.float32), (1, 4, 640, False, False, np.float32),
-         (2, 2, 512, True, False, jnp.bfloat16)]
+         (2, 2, 512, True, False, jnp.bfloat16), (3, 2, 1024, True, True, np.float32),
+         (2, 1, 2048, False, False, np.float32)]
 
 
 @pytest.mark.parametrize("b,c,t,causal,with_bias,dtype", FUSED)
@@ -352,11 +354,31 @@ def test_fused_fft_conv_no_races_on_two_cores():
   assert rel(du, ref_du) < 2e-6 and rel(dk, ref_dk) < 2e-6
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_fft_conv_256_wide_rows_for_v6e(causal):
+  # v6e's 256-wide MXU: rows viewed as [S, 256] (seq 2048: 8 data rows), traced for v6e
+  from kernels.backend import target
+  fft_conv = importlib.import_module("kernels._fft_conv")
+  assert fft_conv.lane_width(2048, "v6e") == 256 and fft_conv.lane_width(2048, "v5e") == 128
+  assert fft_conv.lane_width(1024, "v6e") == 128  # 4 data rows of 256: too few
+  rng = np.random.default_rng(11)
+  u = jnp.asarray(rng.standard_normal((2, 2, 2048)).astype(np.float32))
+  k = jnp.asarray(rng.standard_normal((2, 2048)).astype(np.float32))
+  dy = jnp.asarray(rng.standard_normal((2, 2, 2048)).astype(np.float32))
+  with target("v6e"):
+    y, vjp = jax.vjp(lambda u, k: kfft.fft_conv(u, k, causal=causal, **PALLAS), u, k)
+    grads = vjp(dy)
+  assert rel(y, direct_conv(np.asarray(u, np.float64), np.asarray(k, np.float64), causal, None)) < 2e-6
+  ref = jax.vjp(lambda u, k: kfft.fft_conv_reference(u, k, causal=causal), u, k)[1](dy)
+  for a, r in zip(grads, ref):
+    assert rel(a, r) < 2e-6
+
+
 @pytest.mark.parametrize("precision", ["high", "bfloat16"])
 def test_fused_fft_conv_precisions(precision):
   rng = np.random.default_rng(3)
-  u = rng.standard_normal((2, 2, 512)).astype(np.float32)
-  k = rng.standard_normal((2, 512)).astype(np.float32)
+  u = rng.standard_normal((2, 2, 1024)).astype(np.float32)  # the stacked left matmuls
+  k = rng.standard_normal((2, 1024)).astype(np.float32)
   y = kfft.fft_conv(jnp.asarray(u), jnp.asarray(k), precision=precision, **PALLAS)
   assert rel(y, direct_conv(u.astype(np.float64), k.astype(np.float64), True, None)) < BOUND[precision]
 

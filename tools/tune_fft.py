@@ -13,7 +13,9 @@ Cases (complex data as float32 planes for ours; complex64 for the others, which 
   plain JAX: two einsums at HIGHEST, the twiddle and the transpose, left to XLA).
 * ``fft65536``: batch 16, N = 65536: ours (highest), ``jnp.fft.fft``, ``two_stage_jax``.
 * ``conv``: ``fft_conv`` at ``[8, 768, 8192]`` causal, forward and forward + backward (of ``u``
-  and ``k``), against the ``jnp.fft.rfft`` / ``irfft`` composition.
+  and ``k``), against the ``jnp.fft.rfft`` / ``irfft`` composition. Ours is the fused kernel;
+  its forward + backward is the sum of two estimates, the forward program and the backward
+  kernel's (``method`` says so): the whole program's profile passed 17 GB of RAM.
 
 **Slices.** libtpu's cost model of XLA's FFT takes minutes and GB of RAM at the full batch
 (over 8 GB at 1024 x 4096). Every program is therefore estimated on a slice of the batch
@@ -55,8 +57,9 @@ CASES = {  # name: (full rows, estimated rows, n)
     "fft65536": (16, 16, 65536),
 }
 CONV = (8, 768, 8192)  # batch, channels, seq
-CONV_SLICE = (2, 24)  # estimated batch, channels (full / slice = 128)
+CONV_SLICE = (8, 8)  # estimated batch, channels (full / slice = 96): the whole batch, one channel block
 KERNEL_VERSION = 1
+CONV_VERSION = 2  # the fused fft_conv
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -97,10 +100,15 @@ def _program(cfg):
     b, c = CONV_SLICE
     t = CONV[2]
     u, k = jax.ShapeDtypeStruct((b, c, t), f32), jax.ShapeDtypeStruct((c, t), f32)
-    fwd = (lambda u, k: kfft.fft_conv(u, k, implementation="pallas", interpret=False)) if impl == "ours" \
-        else kfft.fft_conv_reference
+    precision = cfg.get("precision", "highest")
+    fwd = (lambda u, k: kfft.fft_conv(u, k, precision=precision, implementation="pallas", interpret=False)) \
+        if impl == "ours" else kfft.fft_conv_reference
     if cfg["mode"] == "fwd":
       return fwd, (u, k)
+    if cfg["mode"] == "bwd":  # our backward kernel alone (du and dk)
+      fft_conv = importlib.import_module("kernels._fft_conv")
+      return (lambda u, k, dy: fft_conv._bwd_call(u, k, None, dy, causal=True, precision=precision,
+                                                  interpret=False)), (u, k, u)
 
     def fwdbwd(u, k, dy):
       y, vjp = jax.vjp(fwd, u, k)
@@ -124,10 +132,13 @@ def _scale(cfg) -> float:
 
 def _roofline_us(cfg, gen) -> float:
   chip = kernels.get_chip(gen)
-  if cfg["case"] == "conv":
+  if cfg["case"] == "conv":  # the fused kernels' transforms: half-size first and last matmuls (zero padding)
     b, c, t = CONV
-    io = 4 * (b * c * t + c * t + b * c * t) * (2 if cfg["mode"] == "fwdbwd" else 1)
-    flops = 3 * _kernel_flops(b * c // 2, 2 * t) * (2 if cfg["mode"] == "fwdbwd" else 1)
+    fwd_io, bwd_io = 4 * (2 * b * c * t + c * t), 4 * (3 * b * c * t + 2 * c * t)
+    fwd_tf, bwd_tf = c + b * c, 2 * c + 3 * b * c // 2  # transforms: k, the packed pairs' fft and ifft; + dy, u, dk
+    one = 3 * 2 * (2 * t) * (t // 128 + 128)  # one transform of length 2t, signal in its first half, one pass
+    io = fwd_io + (bwd_io if cfg["mode"] == "fwdbwd" else 0)
+    flops = one * (fwd_tf + (bwd_tf if cfg["mode"] == "fwdbwd" else 0))
   else:
     full, _, n = CASES[cfg["case"]]
     io = 16 * full * n
@@ -136,6 +147,12 @@ def _roofline_us(cfg, gen) -> float:
 
 
 def estimate(cfg) -> dict:
+  if cfg["case"] == "conv" and cfg["impl"] == "ours" and cfg["mode"] == "fwdbwd":  # forward + backward kernel
+    parts = [estimate(dict(cfg, mode=m)) for m in ("fwd", "bwd")]
+    r = {k: round(parts[0][k] + parts[1][k], 3) for k in ("us", "model_us", "floor_us")}
+    r.update(slice_scale=parts[0]["slice_scale"], parts={"fwd": parts[0], "bwd": parts[1]},
+             method="sum of two estimates: the forward program and the backward kernel")
+    return r
   fn, args = _program(cfg)
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"])
   r = e.record()
@@ -154,9 +171,10 @@ def _configs(generations):
     yield dict(generation=gen, case="fft65536", impl="ours", precision="highest")
     for impl in ("jnp_fft", "two_stage_jax"):
       yield dict(generation=gen, case="fft65536", impl=impl)
-    for impl in ("ours", "jnp_fft"):
-      for mode in ("fwd", "fwdbwd"):
-        yield dict(generation=gen, case="conv", impl=impl, mode=mode)
+    for mode in ("fwd", "fwdbwd"):
+      for precision in ("highest", "high"):
+        yield dict(generation=gen, case="conv", impl="ours", precision=precision, mode=mode)
+      yield dict(generation=gen, case="conv", impl="jnp_fft", mode=mode)
 
 
 def _run_capped(cfg, max_gb: float) -> dict:
@@ -189,19 +207,21 @@ def bench(args):
           "the published bandwidth), estimated on a slice of the batch and scaled by slice_scale to the "
           "full batch (rows are independent: work and bytes are linear in them). fraction_of_roofline: the roofline, "
           "max(HBM time of each input read once and each output written once, MXU time of the kernel's matmul FLOPs "
-          "at one bf16 pass) at the full batch, over us. Cases: fft4096 = fft of [1024, 4096] complex; fft65536 = [16, 65536]; conv = fft_conv at "
+          "at one bf16 pass) at the full batch, over us (for conv: the fused kernels' transforms, whose first and "
+          "last matmuls are half size). Cases: fft4096 = fft of [1024, 4096] complex; fft65536 = [16, 65536]; conv = fft_conv at "
           "[8, 768, 8192] causal (fwd, fwd+bwd of u and k) against the jnp.fft.rfft/irfft composition."),
       "generated_by": "tools/tune_fft.py", "kind": "compiler estimate (floored)",
       "environment": {"jax": jax.__version__, "python": platform.python_version()}})
   results = table.setdefault("results", {})
   for cfg in _configs(args.generations):
     key = _key(cfg)
-    if key in results and "us" in results[key] and results[key].get("kernel") == KERNEL_VERSION and not args.force:
+    version = CONV_VERSION if cfg["case"] == "conv" else KERNEL_VERSION
+    if key in results and "us" in results[key] and results[key].get("kernel") == version and not args.force:
       continue
     if args.only and not any(o in key for o in args.only):
       continue
     r = _run_capped(cfg, args.max_gb)
-    r.update(cfg, kernel=KERNEL_VERSION)
+    r.update(cfg, kernel=version)
     if "us" in r:  # the roofline as a fraction: a bound, not a time anything ran in
       r["fraction_of_roofline"] = round(_roofline_us(cfg, cfg["generation"]) / r["us"], 4)
     results[key] = r
