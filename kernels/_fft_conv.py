@@ -18,6 +18,10 @@ never needs the natural order: the filter's spectrum is made by the same steps, 
 the same order, and the inverse undoes the steps in reverse (``conj F_128`` on the right,
 the conjugate twiddle, ``conj F_S`` on the left), which lands ``y`` back in natural order.
 
+*Row width.* ``L = 128`` lanes, or 256 on v6e (:func:`lane_width`): the ``F_L`` matmul's
+weight is ``L x L``, and only ``L = 256`` fills v6e's 256 x 256 MXU. (libtpu's cost model
+charges the two widths alike on v6e; the padded MXU count halves.) Elsewhere here 128 stands for ``L``.
+
 *Zero padding is free.* A causal convolution is a circular one of length ``n = 2 seq`` with
 both signals zero in their second half, and only the first half of the result is kept. In
 the ``[S, 128]`` view the zeros are the last ``S/2`` sublane rows, so the first left matmul
@@ -30,10 +34,13 @@ the other batch steps: ``k`` is read from HBM once.
 
 *Backward: one kernel for both gradients.* ``du`` is a correlation of ``dy`` with ``k``
 (``ifft(DY conj K)``); ``dk`` is the correlation of ``dy`` with ``u`` summed over the batch.
-The backward kernel transforms ``dy`` and ``u`` once each per step, inverts ``DY conj K``
-into ``du``, and accumulates ``conj(U) DY`` in VMEM across the batch steps, inverting the
-sum once per channel block into ``dk``: three transforms per batch pair, where two separate
-kernels would take four. With packed rows the real part of that last inverse is exactly
+Under differentiation the forward kernel also writes the packed pairs' spectra ``U`` (in its
+own order), as XLA's ``rfft`` composition keeps ``rfft(u)``: twice the bytes of an f32
+``u``, as the padded transform is twice as long and complex. The backward kernel
+transforms ``dy`` once per step, inverts ``DY conj K`` into ``du``, and accumulates
+``conj(U) DY`` in VMEM across the batch steps, inverting the sum once per channel block
+into ``dk``: two transforms per batch pair (three without the saved ``U``, four with two
+separate kernels). With packed rows the real part of that last inverse is exactly
 ``corr(dy_lo, u_lo) + corr(dy_hi, u_hi)``; the cross terms land in the imaginary part,
 which is never formed.
 
@@ -43,6 +50,7 @@ Matmul precision, the Gauss three-product complex matmul and the bf16 splits are
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import target_chip
-from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _PARTS, _cmul_mat, _dot, _gauss, _phase, _pieces, _split
+from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul_mat, _dot, _gauss, _phase, _split
 from kernels.hardware import get_chip
 
 MAX_ROWS = 8  # channels per grid step: the per-row left matmuls are unrolled
@@ -72,26 +80,11 @@ def lane_width(t: int, chip=None) -> int:
   return side if side > LANES and t % side == 0 and t // side >= 8 else LANES
 
 
-def _stacked(s: int, h: int) -> bool:
-  """Whether the left matmuls take stacked pieces: their f32 results are cut at multiples of the
-  rows (``S`` forward, ``h`` inverse), which must be whole sublane tiles."""
-  return s % 8 == 0 and h % 8 == 0
-
-
-def _stack(gauss3: tuple, precision: str) -> tuple:
-  """A left-multiplied Gauss triple with each matrix's bf16 pieces stacked by rows: for data piece
-  ``i``, the pieces it multiplies (``m_1 .. m_(P - i)``) in one operand, so one MXU weight load of
-  the data serves every product that needs it (the data is the matmul's stationary side)."""
-  p = _PARTS[precision]
-  return tuple(tuple(np.concatenate(m[:p - i], axis=0) for i in range(p)) for m in gauss3)
-
-
 @functools.lru_cache(maxsize=32)
 def _matrices(n: int, h: int, width: int, precision: str) -> tuple:
   """The kernel's constant inputs for transform length ``n`` viewed as ``[S, L]`` (``L = width``)
   whose signals fill the first ``h`` of the ``S`` sublane rows: groups (F_S[:, :h], twiddle,
-  F_L, conj F_L, conj twiddle / n, conj F_S[:h, :]), DFTs as Gauss triples of bf16 pieces
-  (the left-multiplied ones stacked, see :func:`_stack`, when :func:`_stacked`)."""
+  F_L, conj F_L, conj twiddle / n, conj F_S[:h, :]), DFTs as Gauss triples of bf16 pieces."""
   s = n // width
   a, j = np.arange(s), np.arange(width)
   f1 = _gauss(*_phase(s, a[:, None], a[None, :h], False), precision)
@@ -100,8 +93,6 @@ def _matrices(n: int, h: int, width: int, precision: str) -> tuple:
   g2 = _gauss(*_phase(width, j[:, None], j[None, :], True), precision)
   itw = tuple(p / n for p in _phase(n, a[:, None], j[None, :], True))
   g1 = _gauss(*_phase(s, a[:h, None], a[None, :], True), precision)
-  if _stacked(s, h):
-    f1, g1 = _stack(f1, precision), _stack(g1, precision)
   groups, flat, layout = (f1, tw, f2, g2, itw, g1), [], []
   for g in groups:
     items = [m for part in g for m in part] if isinstance(g[0], tuple) else [np.asarray(m, np.float32) for m in g]
@@ -110,31 +101,12 @@ def _matrices(n: int, h: int, width: int, precision: str) -> tuple:
   return tuple(flat), tuple(layout)
 
 
-def _ldot(a, mats, precision: str, stacked: bool):
-  """``m @ a`` for f32 data ``a`` (``fft._dot``'s products, summed in the same order); with stacked
-  pieces, one matmul per data piece whose result rows are cut into the products."""
-  if not stacked:
-    return _dot(a, mats, precision, left=True)
-  parts = _pieces(a, precision)
-  r = mats[-1].shape[0]  # the rows of one piece
-  res = [jnp.dot(m, x, preferred_element_type=jnp.float32) for m, x in zip(mats, parts)]
-  prod = lambda i, j: res[i][j * r:(j + 1) * r]  # noqa: E731  (data piece i times matrix piece j)
-  if precision == "bfloat16":
-    return res[0]
-  if precision == "high":
-    return prod(0, 0) + (prod(1, 0) + prod(0, 1))
-  small = (prod(0, 2) + prod(2, 0)) + prod(1, 1)
-  return prod(0, 0) + ((prod(0, 1) + prod(1, 0)) + small)
-
-
-def _cmul_left(xr, xi, g, precision: str, stacked: bool):
-  """Complex ``F @ X`` with Gauss's three products, as ``fft._cmul_mat``; ``xi`` None: a real ``X`` (two)."""
-  p1 = _ldot(xr if xi is None else xr + xi, g[0], precision, stacked)
-  p2 = _ldot(xr, g[1], precision, stacked)
-  if xi is None:
-    return p1, p1 + p2
-  p3 = _ldot(xi, g[2], precision, stacked)
-  return p1 - p3, p1 + p2
+def _cmul_left(xr, xi, g, precision: str):
+  """Complex ``F @ X`` (``fft._cmul_mat``); ``xi`` None: a real ``X``, two products (Gauss's third multiplies zeros)."""
+  if xi is not None:
+    return _cmul_mat(xr, xi, g, precision, left=True)
+  p1 = _dot(xr, g[0], precision, left=True)
+  return p1, p1 + _dot(xr, g[1], precision, left=True)
 
 
 def _unflatten(vals, layout, precision):
@@ -151,10 +123,9 @@ def _forward(get_row, rows, s, f1, tw, f2, precision, yr_s, yi_s):
   """Forward transforms of ``rows`` rows (``get_row(r)`` gives the ``[h, 128]`` planes; imag may be
   None for a real row): the spectra as ``[rows * S, 128]`` planes in ``[k2, k1]`` order."""
   tr, ti = tw
-  stacked = _stacked(s, f1[0][-1].shape[1])
   for r in range(rows):
-    xr, xi = get_row(r)  # a real row (xi None): Fr x and Fi x, two products (Gauss's third multiplies zeros)
-    yr, yi = _cmul_left(xr, xi, f1, precision, stacked)
+    xr, xi = get_row(r)
+    yr, yi = _cmul_left(xr, xi, f1, precision)
     yr_s[r] = yr * tr - yi * ti
     yi_s[r] = yr * ti + yi * tr
   w = tr.shape[-1]
@@ -169,20 +140,19 @@ def _inverse(pr, pi, rows, s, g2, itw, g1, precision, put_row, real_only=False):
   vr, vi = vr.reshape(rows, s, -1), vi.reshape(rows, s, -1)
   tr, ti = itw
   wr, wi = vr * tr - vi * ti, vr * ti + vi * tr
-  stacked = _stacked(s, g1[0][-1].shape[0])
   for r in range(rows):
     if real_only:  # Re(G w) = Gr wr - Gi wi = P1 - P3 of the Gauss products
-      put_row(r, _ldot(wr[r] + wi[r], g1[0], precision, stacked) - _ldot(wi[r], g1[2], precision, stacked), None)
+      put_row(r, _dot(wr[r] + wi[r], g1[0], precision, left=True) - _dot(wi[r], g1[2], precision, left=True), None)
     else:
-      put_row(r, *_cmul_left(wr[r], wi[r], g1, precision, stacked))
+      put_row(r, *_cmul_left(wr[r], wi[r], g1, precision))
 
 
-def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
+def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
   nm = sum(layout)
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
   k_ref, u_ref = refs[nm:nm + 2]
   bias_ref = refs[nm + 2] if has_bias else None
-  y_ref, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
+  y_ref, *zs_ref, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
   f32 = jnp.float32
 
   @pl.when(pl.program_id(1) == 0)  # the filter's spectrum, once per channel block
@@ -194,6 +164,9 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
   zr, zi = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
                     precision, yr_s, yi_s)
   zr, zi = zr.reshape(kr_s.shape), zi.reshape(kr_s.shape)
+  if save_spectrum:  # the packed pair's spectrum, for the backward pass
+    zs_ref[0][0, 0] = zr
+    zs_ref[0][1, 0] = zi
   kr, ki = kr_s[...], ki_s[...]
   pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
 
@@ -208,10 +181,11 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias):
 
 def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
   """``du`` (a correlation of ``dy`` with ``k``) and ``dk`` (``conj(U) DY`` summed over the batch
-  steps, inverted at the last): ``dy``'s transform is made once and serves both."""
+  steps, inverted at the last): ``dy``'s transform is made once and serves both; ``U`` is the
+  spectrum the forward kernel saved."""
   nm = sum(layout)
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
-  k_ref, u_ref, d_ref = refs[nm:nm + 3]
+  k_ref, d_ref, zs_ref = refs[nm:nm + 3]
   bias_ref = refs[nm + 3] if has_bias else None
   du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 3 + has_bias:]
   f32 = jnp.float32
@@ -228,11 +202,10 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
 
   dr, di = _forward(lambda r: (d_ref[0, 0, r].astype(f32), d_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
                     precision, yr_s, yi_s)
-  ur, ui = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
-                    precision, yr_s, yi_s)
-  ar_s[...] += (ur * dr + ui * di).reshape(shape)  # conj(U) DY
-  ai_s[...] += (ur * di - ui * dr).reshape(shape)
   dr, di = dr.reshape(shape), di.reshape(shape)
+  ur, ui = zs_ref[0, 0], zs_ref[1, 0]
+  ar_s[...] += ur * dr + ui * di  # conj(U) DY
+  ai_s[...] += ur * di - ui * dr
   kr, ki = kr_s[...], ki_s[...]
 
   def put_du(r, a, c):
@@ -255,7 +228,7 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
 def _plan(c: int, n: int, t: int, u_itemsize: int, chip, scratch: int):
   """Channels per grid step and the VMEM footprint: as many as fit (at most 8), blocks double-buffered."""
   per_row = (2 * 2 * 2 * t * (2 * u_itemsize + 4) + 2 * 2 * t * 4  # pair blocks, k / dk blocks
-             + scratch * n * 4 + 14 * n * 4)  # scratch; temporaries
+             + 2 * 2 * n * 4 + scratch * n * 4 + 14 * n * 4)  # the saved spectrum; scratch; temporaries
   c_ = get_chip(chip or "v5e")
   rows = max(1, min(MAX_ROWS, c, (min(c_.vmem_bytes // 2, 48 << 20)) // per_row))
   return rows, per_row * rows
@@ -282,9 +255,10 @@ def _bias_rows(bias, c, w):
   return [] if bias is None else [jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, w))]
 
 
-def _call(kernel, name, u, k, bias, extra, out_shape, out_specs, flops, bytes_accessed, *, causal, precision,
-          interpret, temps):
-  """One of the two kernels on grid (channel blocks, batch pairs): the pair is the inner, sequential axis."""
+def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes_accessed, *, causal, precision,
+          interpret, temps, **options):
+  """One of the two kernels on grid (channel blocks, batch pairs): the pair is the inner, sequential axis.
+  ``u`` ``[B, C, t]`` (``dy`` for the backward), ``spectrum`` the saved ``[2, B/2, C, S, L]`` or None."""
   b, c, t = u.shape
   chip = target_chip()
   w = lane_width(t, chip)
@@ -295,21 +269,25 @@ def _call(kernel, name, u, k, bias, extra, out_shape, out_specs, flops, bytes_ac
   mats = [jnp.asarray(m) for m in flat]
   mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
   mat_specs, chan, pair, bias_spec = _specs(mats, rows, h, w, bias)
-  pairs = [_pair(v, h, w) for v in (u, *extra)]
+  u5 = _pair(u, h, w)
+  sshape = (2, u5.shape[1], c, s, w)
+  sspec = pl.BlockSpec((2, 1, rows, s, w), lambda ci, bi: (0, bi, ci, 0, 0))
+  spectrum_in = [] if spectrum is None else [spectrum]
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   return pl.pallas_call(
-      functools.partial(kernel, rows=rows, s=s, precision=precision, layout=layout, has_bias=bias is not None),
-      grid=(tiling.cdiv(c, rows), pairs[0].shape[1]),
-      in_specs=mat_specs + [chan] + [pair] * len(pairs) + bias_spec,
-      out_specs=out_specs(chan, pair),
-      out_shape=out_shape(pairs[0].shape, (c, h, w)),
+      functools.partial(kernel, rows=rows, s=s, precision=precision, layout=layout, has_bias=bias is not None,
+                        **options),
+      grid=(tiling.cdiv(c, rows), u5.shape[1]),
+      in_specs=mat_specs + [chan, pair] + [sspec] * len(spectrum_in) + bias_spec,
+      out_specs=out_specs(chan, pair, sspec),
+      out_shape=out_shape(u5.shape, (c, h, w), sshape),
       scratch_shapes=[pltpu.VMEM((rows, s, w), jnp.float32)] * temps,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
-      cost_estimate=pl.CostEstimate(flops=flops(passes, pairs[0].shape[1] * c, s, h, w), transcendentals=0,
-                                    bytes_accessed=bytes_accessed(pairs[0].size) + mat_bytes),
-      interpret=interpret, name=name)(*mats, k.reshape(c, h, w), *pairs, *_bias_rows(bias, c, w))
+      cost_estimate=pl.CostEstimate(flops=flops(passes, u5.shape[1] * c, s, h, w), transcendentals=0,
+                                    bytes_accessed=bytes_accessed(u5.size, math.prod(sshape)) + mat_bytes),
+      interpret=interpret, name=name)(*mats, k.reshape(c, h, w), u5, *spectrum_in, *_bias_rows(bias, c, w))
 
 
 def _fft_flops(passes, s, h, w):
@@ -317,28 +295,32 @@ def _fft_flops(passes, s, h, w):
   return 3 * 2 * passes * (s * h * w + s * w * w)
 
 
-def _conv_call(u, k, bias, *, causal, precision, interpret):
-  """``y = u * k (+ bias u)``, ``[B, C, t]`` f32."""
+def _conv_call(u, k, bias, *, causal, precision, interpret, save_spectrum=False):
+  """``y = u * k (+ bias u)``, ``[B, C, t]`` f32; with ``save_spectrum`` also the packed pairs'
+  spectra ``[2, B/2, C, S, L]`` (real and imaginary planes, in the kernel's order) for the backward."""
   b, c, t = u.shape
-  y = _call(_conv_kernel, "fft_conv", u, k, bias, (),
-            out_shape=lambda pshape, cshape: jax.ShapeDtypeStruct(pshape, jnp.float32),
-            out_specs=lambda chan, pair: pair,
-            flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
-            bytes_accessed=lambda size: size * (u.dtype.itemsize + 4) + k.size * k.dtype.itemsize,
-            causal=causal, precision=precision, interpret=interpret, temps=4)
-  return y.reshape(-1, c, t)[:b]
+  out = _call(_conv_kernel, "fft_conv", u, k, bias, None,
+              out_shape=lambda pshape, cshape, sshape: [jax.ShapeDtypeStruct(pshape, jnp.float32)]
+              + [jax.ShapeDtypeStruct(sshape, jnp.float32)] * save_spectrum,
+              out_specs=lambda chan, pair, sspec: [pair] + [sspec] * save_spectrum,
+              flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
+              bytes_accessed=lambda size, ssize: size * (u.dtype.itemsize + 4) + k.size * k.dtype.itemsize
+              + 4 * ssize * save_spectrum,
+              causal=causal, precision=precision, interpret=interpret, temps=4, save_spectrum=save_spectrum)
+  y = out[0].reshape(-1, c, t)[:b]
+  return (y, out[1]) if save_spectrum else y
 
 
-def _bwd_call(u, k, bias, dy, *, causal, precision, interpret):
-  """``(du [B, C, t], dk [C, t])``, f32: one kernel, ``dy``'s transform shared by both."""
-  b, c, t = u.shape
-  du, dk = _call(_bwd_kernel, "fft_conv_bwd", u, k, bias, (dy,),
-                 out_shape=lambda pshape, cshape: (jax.ShapeDtypeStruct(pshape, jnp.float32),
-                                                   jax.ShapeDtypeStruct(cshape, jnp.float32)),
-                 out_specs=lambda chan, pair: (pair, chan),
-                 flops=lambda p, rows, s, h, w: 3 * rows * _fft_flops(p, s, h, w),
-                 bytes_accessed=lambda size: size * (u.dtype.itemsize + dy.dtype.itemsize + 4)
-                 + 2 * k.size * 4,
+def _bwd_call(spectrum, k, bias, dy, *, causal, precision, interpret):
+  """``(du [B, C, t], dk [C, t])``, f32, from the forward's saved ``spectrum`` of ``u``: one kernel,
+  ``dy``'s transform shared by both."""
+  b, c, t = dy.shape
+  du, dk = _call(_bwd_kernel, "fft_conv_bwd", dy, k, bias, spectrum,
+                 out_shape=lambda pshape, cshape, sshape: (jax.ShapeDtypeStruct(pshape, jnp.float32),
+                                                           jax.ShapeDtypeStruct(cshape, jnp.float32)),
+                 out_specs=lambda chan, pair, sspec: (pair, chan),
+                 flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
+                 bytes_accessed=lambda size, ssize: size * (dy.dtype.itemsize + 4) + 4 * ssize + 2 * k.size * 4,
                  causal=causal, precision=precision, interpret=interpret, temps=6)
   return du.reshape(-1, c, t)[:b], dk.reshape(c, t)
 
@@ -350,12 +332,13 @@ def fused_conv(u, k, bias, causal, precision, interpret):
 
 
 def _fwd(u, k, bias, causal, precision, interpret):
-  return fused_conv(u, k, bias, causal, precision, interpret), (u, k, bias)
+  y, spectrum = _conv_call(u, k, bias, causal=causal, precision=precision, interpret=interpret, save_spectrum=True)
+  return y, (u, k, bias, spectrum)
 
 
 def _bwd(causal, precision, interpret, res, dy):
-  u, k, bias = res
-  du, dk = _bwd_call(u, k, bias, dy, causal=causal, precision=precision, interpret=interpret)
+  u, k, bias, spectrum = res
+  du, dk = _bwd_call(spectrum, k, bias, dy, causal=causal, precision=precision, interpret=interpret)
   db = None if bias is None else jnp.einsum("bct,bct->c", dy, u.astype(jnp.float32)).astype(bias.dtype)
   return du.astype(u.dtype), dk.astype(k.dtype), db
 

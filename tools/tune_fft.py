@@ -14,8 +14,10 @@ Cases (complex data as float32 planes for ours; complex64 for the others, which 
 * ``fft65536``: batch 16, N = 65536: ours (highest), ``jnp.fft.fft``, ``two_stage_jax``.
 * ``conv``: ``fft_conv`` at ``[8, 768, 8192]`` causal, forward and forward + backward (of ``u``
   and ``k``), against the ``jnp.fft.rfft`` / ``irfft`` composition. Ours is the fused kernel;
-  its forward + backward is the sum of two estimates, the forward program and the backward
-  kernel's (``method`` says so): the whole program's profile passed 17 GB of RAM.
+  its forward + backward is the sum of two estimates, the forward kernel as it runs under
+  differentiation (``mode="fwd_save"``: it also writes ``u``'s spectrum for the backward) and
+  the backward kernel (``mode="bwd"``); the sum's ``method`` says so. The whole program's
+  profile passed 17 GB of RAM.
 
 **Slices.** libtpu's cost model of XLA's FFT takes minutes and GB of RAM at the full batch
 (over 8 GB at 1024 x 4096). Every program is therefore estimated on a slice of the batch
@@ -105,10 +107,15 @@ def _program(cfg):
         if impl == "ours" else kfft.fft_conv_reference
     if cfg["mode"] == "fwd":
       return fwd, (u, k)
-    if cfg["mode"] == "bwd":  # our backward kernel alone (du and dk)
-      fft_conv = importlib.import_module("kernels._fft_conv")
-      return (lambda u, k, dy: fft_conv._bwd_call(u, k, None, dy, causal=True, precision=precision,
-                                                  interpret=False)), (u, k, u)
+    fft_conv = importlib.import_module("kernels._fft_conv")
+    if cfg["mode"] == "fwd_save":  # our forward under differentiation: it also writes u's spectrum
+      return (lambda u, k: fft_conv._conv_call(u, k, None, causal=True, precision=precision, interpret=False,
+                                               save_spectrum=True)), (u, k)
+    if cfg["mode"] == "bwd":  # our backward kernel alone (du and dk, from the saved spectrum)
+      w = fft_conv.lane_width(t, cfg["generation"])
+      spectrum = jax.ShapeDtypeStruct((2, b // 2, c, 2 * t // w, w), f32)
+      return (lambda z, k, dy: fft_conv._bwd_call(z, k, None, dy, causal=True, precision=precision,
+                                                  interpret=False)), (spectrum, k, u)
 
     def fwdbwd(u, k, dy):
       y, vjp = jax.vjp(fwd, u, k)
@@ -137,8 +144,9 @@ def _roofline_us(cfg, gen) -> float:
     fwd_io, bwd_io = 4 * (2 * b * c * t + c * t), 4 * (3 * b * c * t + 2 * c * t)
     fwd_tf, bwd_tf = c + b * c, 2 * c + 3 * b * c // 2  # transforms: k, the packed pairs' fft and ifft; + dy, u, dk
     one = 3 * 2 * (2 * t) * (t // 128 + 128)  # one transform of length 2t, signal in its first half, one pass
-    io = fwd_io + (bwd_io if cfg["mode"] == "fwdbwd" else 0)
-    flops = one * (fwd_tf + (bwd_tf if cfg["mode"] == "fwdbwd" else 0))
+    fwd, bwd = cfg["mode"] in ("fwd", "fwd_save", "fwdbwd"), cfg["mode"] in ("bwd", "fwdbwd")
+    io = fwd * fwd_io + bwd * bwd_io
+    flops = one * (fwd * fwd_tf + bwd * bwd_tf)
   else:
     full, _, n = CASES[cfg["case"]]
     io = 16 * full * n
@@ -147,12 +155,6 @@ def _roofline_us(cfg, gen) -> float:
 
 
 def estimate(cfg) -> dict:
-  if cfg["case"] == "conv" and cfg["impl"] == "ours" and cfg["mode"] == "fwdbwd":  # forward + backward kernel
-    parts = [estimate(dict(cfg, mode=m)) for m in ("fwd", "bwd")]
-    r = {k: round(parts[0][k] + parts[1][k], 3) for k in ("us", "model_us", "floor_us")}
-    r.update(slice_scale=parts[0]["slice_scale"], parts={"fwd": parts[0], "bwd": parts[1]},
-             method="sum of two estimates: the forward program and the backward kernel")
-    return r
   fn, args = _program(cfg)
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"])
   r = e.record()
@@ -171,10 +173,29 @@ def _configs(generations):
     yield dict(generation=gen, case="fft65536", impl="ours", precision="highest")
     for impl in ("jnp_fft", "two_stage_jax"):
       yield dict(generation=gen, case="fft65536", impl=impl)
-    for mode in ("fwd", "fwdbwd"):
-      for precision in ("highest", "high"):
+    for precision in ("highest", "high"):  # ours: fwd_save + bwd gives fwdbwd (see _conv_fwdbwd)
+      for mode in ("fwd", "fwd_save", "bwd"):
         yield dict(generation=gen, case="conv", impl="ours", precision=precision, mode=mode)
+    for mode in ("fwd", "fwdbwd"):
       yield dict(generation=gen, case="conv", impl="jnp_fft", mode=mode)
+
+
+def _conv_fwdbwd(results: dict) -> None:
+  """Our fft_conv forward + backward: the sum of the estimates of the forward kernel as it runs under
+  differentiation (``fwd_save``) and of the backward kernel."""
+  for key in [k for k in results if "/conv/ours/" in k and k.endswith("/fwd")]:
+    fwd, bwd = results.get(key + "_save", {}), results.get(key[:-len("fwd")] + "bwd", {})
+    out = key[:-len("fwd")] + "fwdbwd"
+    if "us" not in fwd or "us" not in bwd:
+      results[out] = dict(fwd, mode="fwdbwd", error="no estimate of " + ("the forward" if "us" not in fwd else "the backward"))
+      results[out].pop("us", None)
+      continue
+    r = {k: round(fwd[k] + bwd[k], 3) for k in ("us", "model_us", "floor_us")}
+    r.update({k: fwd[k] for k in ("generation", "case", "impl", "precision", "slice_scale", "kernel")},
+             mode="fwdbwd", method="sum of two estimates: the forward kernel saving u's spectrum, and the backward kernel")
+    cfg = {k: r[k] for k in ("generation", "case", "impl", "precision", "mode")}
+    r["fraction_of_roofline"] = round(_roofline_us(cfg, cfg["generation"]) / r["us"], 4)
+    results[out] = r
 
 
 def _run_capped(cfg, max_gb: float) -> dict:
@@ -226,6 +247,7 @@ def bench(args):
       r["fraction_of_roofline"] = round(_roofline_us(cfg, cfg["generation"]) / r["us"], 4)
     results[key] = r
     print(key, r.get("us"), r.get("error", ""), flush=True)
+    _conv_fwdbwd(results)
     result_tables.save(table, out)
 
 
