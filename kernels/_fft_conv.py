@@ -152,7 +152,7 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
   k_ref, u_ref = refs[nm:nm + 2]
   bias_ref = refs[nm + 2] if has_bias else None
-  y_ref, *zs_ref, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
+  y_ref, *zs_refs, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
   f32 = jnp.float32
 
   @pl.when(pl.program_id(1) == 0)  # the filter's spectrum, once per channel block
@@ -165,8 +165,8 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
                     precision, yr_s, yi_s)
   zr, zi = zr.reshape(kr_s.shape), zi.reshape(kr_s.shape)
   if save_spectrum:  # the packed pair's spectrum, for the backward pass
-    zs_ref[0][0, 0] = zr
-    zs_ref[0][1, 0] = zi
+    zs_refs[0][0] = zr
+    zs_refs[1][0] = zi
   kr, ki = kr_s[...], ki_s[...]
   pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
 
@@ -185,9 +185,9 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
   spectrum the forward kernel saved."""
   nm = sum(layout)
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
-  k_ref, d_ref, zs_ref = refs[nm:nm + 3]
-  bias_ref = refs[nm + 3] if has_bias else None
-  du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 3 + has_bias:]
+  k_ref, d_ref, zr_ref, zi_ref = refs[nm:nm + 4]
+  bias_ref = refs[nm + 4] if has_bias else None
+  du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 4 + has_bias:]
   f32 = jnp.float32
   b = pl.program_id(1)
   shape = kr_s.shape
@@ -203,7 +203,7 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
   dr, di = _forward(lambda r: (d_ref[0, 0, r].astype(f32), d_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
                     precision, yr_s, yi_s)
   dr, di = dr.reshape(shape), di.reshape(shape)
-  ur, ui = zs_ref[0, 0], zs_ref[1, 0]
+  ur, ui = zr_ref[0], zi_ref[0]
   ar_s[...] += ur * dr + ui * di  # conj(U) DY
   ai_s[...] += ur * di - ui * dr
   kr, ki = kr_s[...], ki_s[...]
@@ -258,7 +258,7 @@ def _bias_rows(bias, c, w):
 def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes_accessed, *, causal, precision,
           interpret, temps, **options):
   """One of the two kernels on grid (channel blocks, batch pairs): the pair is the inner, sequential axis.
-  ``u`` ``[B, C, t]`` (``dy`` for the backward), ``spectrum`` the saved ``[2, B/2, C, S, L]`` or None."""
+  ``u`` ``[B, C, t]`` (``dy`` for the backward), ``spectrum`` the saved pair of ``[B/2, C, S, L]`` planes or None."""
   b, c, t = u.shape
   chip = target_chip()
   w = lane_width(t, chip)
@@ -270,9 +270,9 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
   mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
   mat_specs, chan, pair, bias_spec = _specs(mats, rows, h, w, bias)
   u5 = _pair(u, h, w)
-  sshape = (2, u5.shape[1], c, s, w)
-  sspec = pl.BlockSpec((2, 1, rows, s, w), lambda ci, bi: (0, bi, ci, 0, 0))
-  spectrum_in = [] if spectrum is None else [spectrum]
+  sshape = (u5.shape[1], c, s, w)  # one plane of the saved spectrum
+  sspec = pl.BlockSpec((1, rows, s, w), lambda ci, bi: (bi, ci, 0, 0))
+  spectrum_in = [] if spectrum is None else list(spectrum)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   return pl.pallas_call(
       functools.partial(kernel, rows=rows, s=s, precision=precision, layout=layout, has_bias=bias is not None,
@@ -286,7 +286,7 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
       cost_estimate=pl.CostEstimate(flops=flops(passes, u5.shape[1] * c, s, h, w), transcendentals=0,
-                                    bytes_accessed=bytes_accessed(u5.size, math.prod(sshape)) + mat_bytes),
+                                    bytes_accessed=bytes_accessed(u5.size, 2 * math.prod(sshape)) + mat_bytes),
       interpret=interpret, name=name)(*mats, k.reshape(c, h, w), u5, *spectrum_in, *_bias_rows(bias, c, w))
 
 
@@ -297,18 +297,18 @@ def _fft_flops(passes, s, h, w):
 
 def _conv_call(u, k, bias, *, causal, precision, interpret, save_spectrum=False):
   """``y = u * k (+ bias u)``, ``[B, C, t]`` f32; with ``save_spectrum`` also the packed pairs'
-  spectra ``[2, B/2, C, S, L]`` (real and imaginary planes, in the kernel's order) for the backward."""
+  spectra, a (real, imaginary) pair of ``[B/2, C, S, L]`` planes in the kernel's order, for the backward."""
   b, c, t = u.shape
   out = _call(_conv_kernel, "fft_conv", u, k, bias, None,
               out_shape=lambda pshape, cshape, sshape: [jax.ShapeDtypeStruct(pshape, jnp.float32)]
-              + [jax.ShapeDtypeStruct(sshape, jnp.float32)] * save_spectrum,
-              out_specs=lambda chan, pair, sspec: [pair] + [sspec] * save_spectrum,
+              + [jax.ShapeDtypeStruct(sshape, jnp.float32)] * (2 * save_spectrum),
+              out_specs=lambda chan, pair, sspec: [pair] + [sspec] * (2 * save_spectrum),
               flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
               bytes_accessed=lambda size, ssize: size * (u.dtype.itemsize + 4) + k.size * k.dtype.itemsize
               + 4 * ssize * save_spectrum,
               causal=causal, precision=precision, interpret=interpret, temps=4, save_spectrum=save_spectrum)
   y = out[0].reshape(-1, c, t)[:b]
-  return (y, out[1]) if save_spectrum else y
+  return (y, tuple(out[1:])) if save_spectrum else y
 
 
 def _bwd_call(spectrum, k, bias, dy, *, causal, precision, interpret):

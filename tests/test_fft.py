@@ -419,10 +419,10 @@ if which == "bench":  # the benchmark configurations: [1024, 4096] (two precisio
     y, vjp = jax.vjp(lambda u, k: kfft.fft_conv(u, k, **P), u, k)
     return y, vjp(dy)
   check(kernels.compile_for_tpu(conv, u, k, u, generation=gen), 2)  # the fused forward, the backward
-else:  # each kernel path: one stage, two stages (odd S, unrolled; S > 128, looped), bf16x3, [16, 65536]
+elif which == "paths":  # each kernel path: one stage, two stages (odd S, unrolled; S > 128, looped), bf16x3, [16, 65536]
   for n, precision in ((8, "highest"), (1152, "high"), (16384, "highest"), (65536, "highest")):
     check(fwd_bwd(n, precision, 16))
-  # fused fft_conv: unstacked left matmuls (S = 6, odd batch, bias), circular, bf16 input, "high"
+else:  # fused fft_conv: S = 6 (odd batch, bias, channels not a multiple of 8), circular, bf16 input at "high"
   for (b, c, t), causal, dtype, precision in (((3, 10, 384), True, f32, "highest"), ((2, 8, 2048), False, f32, "highest"),
                                               ((2, 8, 4096), True, jnp.bfloat16, "high")):
     def conv(u, k, bias, dy):
@@ -436,7 +436,7 @@ print("ok")
 
 
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("which", ["bench", "paths"])
+@pytest.mark.parametrize("which", ["bench", "paths", "conv"])
 @pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
 def test_aot_compiles_forward_and_backward(generation, which):
   import os

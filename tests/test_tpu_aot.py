@@ -93,6 +93,22 @@ def test_estimate_is_positive_labelled_and_below_roofline():
   assert any("matmul" in name or "pallas" in name for name in e.ops)
 
 
+def test_a_pallas_kernel_the_model_does_not_charge_makes_the_estimate_incomplete():
+  # libtpu's cost model charges some Pallas kernels 0 cycles without a word (here: 5-D blocks).
+  # Such a kernel must land in ``unmodeled``: the estimate is then incomplete, never a silent 0.
+  from jax.experimental import pallas as pl
+
+  def five_d(x):
+    spec = pl.BlockSpec((2, 1, 8, 128, 128), lambda i: (0, i, 0, 0, 0))
+    return pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2.0), grid=(4,),
+                          in_specs=[spec], out_specs=spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          name="five_d")(x)
+  e = kernels.estimate_tpu(five_d, jax.ShapeDtypeStruct((2, 4, 8, 128, 128), jnp.float32), generation="v5e")
+  (name,) = [n for n in e.ops if n.startswith("five_d")]
+  assert (e.ops[name] == 0) == (name in e.unmodeled)
+  assert e.complete == (e.ops[name] > 0) and (e.valid or not e.complete)
+
+
 def test_estimate_orders_block_sizes():
   # 4096^3: 128x128 output tiles re-read A and B 4x more than 512x512 tiles; the estimate must see it.
   n = 4096

@@ -142,7 +142,7 @@ def _roofline_us(cfg, gen) -> float:
   if cfg["case"] == "conv":  # the fused kernels' transforms: half-size first and last matmuls (zero padding)
     b, c, t = CONV
     fwd_io, bwd_io = 4 * (2 * b * c * t + c * t), 4 * (3 * b * c * t + 2 * c * t)
-    fwd_tf, bwd_tf = c + b * c, 2 * c + 3 * b * c // 2  # transforms: k, the packed pairs' fft and ifft; + dy, u, dk
+    fwd_tf, bwd_tf = c + b * c, 2 * c + b * c  # transforms: k, the packed pairs' fft and ifft; k, dy, du, dk
     one = 3 * 2 * (2 * t) * (t // 128 + 128)  # one transform of length 2t, signal in its first half, one pass
     fwd, bwd = cfg["mode"] in ("fwd", "fwd_save", "fwdbwd"), cfg["mode"] in ("bwd", "fwdbwd")
     io = fwd * fwd_io + bwd * bwd_io
