@@ -66,10 +66,14 @@ from kernels.hardware import get_chip
 MAX_ROWS = 8  # channels per grid step: the per-row left matmuls are unrolled
 
 
-def supported(t: int, causal: bool) -> bool:
-  """True when the fused kernel takes sequence length ``t`` (else ``fft_conv`` composes transform calls)."""
+def supported(t: int, causal: bool, chip=None) -> bool:
+  """True when the fused kernel takes sequence length ``t`` on ``chip`` (else ``fft_conv`` composes
+  transform calls): ``t`` a multiple of 128, a two-stage padded length, and 8 channels' blocks and
+  temporaries within VMEM."""
   n = 2 * t if causal else t
-  return t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX
+  if not (t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX):
+    return False
+  return 8 * _per_row(n, t, 4, 6) <= _budget(chip)
 
 
 def lane_width(t: int, chip=None) -> int:
@@ -153,16 +157,17 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
   k_ref, u_ref = refs[nm:nm + 2]
   bias_ref = refs[nm + 2] if has_bias else None
   y_ref, *zs_refs, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
-  f32 = jnp.float32
+  view = functools.partial(_view, rows=rows, width=tw[0].shape[-1])
 
   @pl.when(pl.program_id(1) == 0)  # the filter's spectrum, once per channel block
   def _():
-    zr, zi = _forward(lambda r: (k_ref[r].astype(f32), None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+    kk = view(k_ref[...])
+    zr, zi = _forward(lambda r: (kk[r], None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
     kr_s[...] = zr.reshape(kr_s.shape)
     ki_s[...] = zi.reshape(ki_s.shape)
 
-  zr, zi = _forward(lambda r: (u_ref[0, 0, r].astype(f32), u_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
-                    precision, yr_s, yi_s)
+  ulo, uhi = view(u_ref[0, 0]), view(u_ref[1, 0])
+  zr, zi = _forward(lambda r: (ulo[r], uhi[r]), rows, s, f1, tw, f2, precision, yr_s, yi_s)
   zr, zi = zr.reshape(kr_s.shape), zi.reshape(kr_s.shape)
   if save_spectrum:  # the packed pair's spectrum, for the backward pass
     zs_refs[0][0] = zr
@@ -170,13 +175,16 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
   kr, ki = kr_s[...], ki_s[...]
   pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
 
+  out = [], []
+
   def put(r, a, b):
     if has_bias:
-      a = a + bias_ref[r] * u_ref[0, 0, r].astype(f32)
-      b = b + bias_ref[r] * u_ref[1, 0, r].astype(f32)
-    y_ref[0, 0, r] = a
-    y_ref[1, 0, r] = b
+      a, b = a + bias_ref[r] * ulo[r], b + bias_ref[r] * uhi[r]
+    out[0].append(a)
+    out[1].append(b)
   _inverse(pr.reshape(rows * s, -1), pi.reshape(rows * s, -1), rows, s, g2, itw, g1, precision, put)
+  y_ref[0, 0] = _unview(out[0])
+  y_ref[1, 0] = _unview(out[1])
 
 
 def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
@@ -188,65 +196,87 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
   k_ref, d_ref, zr_ref, zi_ref = refs[nm:nm + 4]
   bias_ref = refs[nm + 4] if has_bias else None
   du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 4 + has_bias:]
-  f32 = jnp.float32
+  view = functools.partial(_view, rows=rows, width=tw[0].shape[-1])
   b = pl.program_id(1)
   shape = kr_s.shape
 
   @pl.when(b == 0)  # conj K, once per channel block; the dk accumulator starts at zero
   def _():
-    zr, zi = _forward(lambda r: (k_ref[r].astype(f32), None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+    kk = view(k_ref[...])
+    zr, zi = _forward(lambda r: (kk[r], None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
     kr_s[...] = zr.reshape(shape)
     ki_s[...] = -zi.reshape(shape)
     ar_s[...] = jnp.zeros_like(ar_s)
     ai_s[...] = jnp.zeros_like(ai_s)
 
-  dr, di = _forward(lambda r: (d_ref[0, 0, r].astype(f32), d_ref[1, 0, r].astype(f32)), rows, s, f1, tw, f2,
-                    precision, yr_s, yi_s)
+  dlo, dhi = view(d_ref[0, 0]), view(d_ref[1, 0])
+  dr, di = _forward(lambda r: (dlo[r], dhi[r]), rows, s, f1, tw, f2, precision, yr_s, yi_s)
   dr, di = dr.reshape(shape), di.reshape(shape)
   ur, ui = zr_ref[0], zi_ref[0]
   ar_s[...] += ur * dr + ui * di  # conj(U) DY
   ai_s[...] += ur * di - ui * dr
   kr, ki = kr_s[...], ki_s[...]
 
+  du = [], []
+
   def put_du(r, a, c):
     if has_bias:
-      a = a + bias_ref[r] * d_ref[0, 0, r].astype(f32)
-      c = c + bias_ref[r] * d_ref[1, 0, r].astype(f32)
-    du_ref[0, 0, r] = a
-    du_ref[1, 0, r] = c
+      a, c = a + bias_ref[r] * dlo[r], c + bias_ref[r] * dhi[r]
+    du[0].append(a)
+    du[1].append(c)
   _inverse((dr * kr - di * ki).reshape(rows * s, -1), (dr * ki + di * kr).reshape(rows * s, -1), rows, s,
            g2, itw, g1, precision, put_du)
+  du_ref[0, 0] = _unview(du[0])
+  du_ref[1, 0] = _unview(du[1])
 
   @pl.when(b == pl.num_programs(1) - 1)
   def _():
-    def put_dk(r, a, _):
-      dk_ref[r] = a
+    dk = []
     _inverse(ar_s[...].reshape(rows * s, -1), ai_s[...].reshape(rows * s, -1), rows, s, g2, itw, g1,
-             precision, put_dk, real_only=True)
+             precision, lambda r, a, _: dk.append(a), real_only=True)
+    dk_ref[...] = _unview(dk)
+
+
+def _view(x, rows, width):
+  """A block of rows ``[rows, t]`` as ``[rows, t / L, L]`` f32: the relayout happens in VMEM (an XLA
+  reshape of the HBM array would be a copy: its (8, 128) tiles are over (channels, time))."""
+  return x.astype(jnp.float32).reshape(rows, -1, width)
+
+
+def _unview(parts):
+  """Rows of ``[h, L]`` results back to one ``[rows, t]`` block."""
+  return jnp.stack(parts).reshape(len(parts), -1)
+
+
+def _per_row(n: int, t: int, u_itemsize: int, scratch: int) -> int:
+  """VMEM bytes per channel in a grid step: the double-buffered pair, k / dk and spectrum blocks,
+  the scratch planes and the kernel's temporaries."""
+  return (2 * 2 * 2 * t * (2 * u_itemsize + 4) + 2 * 2 * t * 4 + 2 * 2 * n * 4 + scratch * n * 4 + 16 * n * 4)
+
+
+def _budget(chip) -> int:
+  return min(get_chip(chip or "v5e").vmem_bytes // 2, 48 << 20)
 
 
 def _plan(c: int, n: int, t: int, u_itemsize: int, chip, scratch: int):
-  """Channels per grid step and the VMEM footprint: as many as fit (at most 8), blocks double-buffered."""
-  per_row = (2 * 2 * 2 * t * (2 * u_itemsize + 4) + 2 * 2 * t * 4  # pair blocks, k / dk blocks
-             + 2 * 2 * n * 4 + scratch * n * 4 + 14 * n * 4)  # the saved spectrum; scratch; temporaries
-  c_ = get_chip(chip or "v5e")
-  rows = max(1, min(MAX_ROWS, c, (min(c_.vmem_bytes // 2, 48 << 20)) // per_row))
-  return rows, per_row * rows
+  """Channels per grid step (all of them up to 8, else 8: a block's rows are sublanes) and the VMEM footprint."""
+  rows = min(MAX_ROWS, c)
+  return rows, _per_row(n, t, u_itemsize, scratch) * rows
 
 
-def _pair(u, h, w):
-  """``[B, C, t]`` as ``[2, B/2, C, h, L]`` (a free reshape; an odd batch gets one zero row)."""
+def _pair(u):
+  """``[B, C, t]`` as ``[2, B/2, C, t]`` (a free reshape of the leading axis; an odd batch gets one zero row)."""
   b, c, t = u.shape
   if b % 2:
     u = jnp.pad(u, ((0, 1), (0, 0), (0, 0)))
     b += 1
-  return u.reshape(2, b // 2, c, h, w)
+  return u.reshape(2, b // 2, c, t)
 
 
-def _specs(mats, rows, h, w, bias):
+def _specs(mats, rows, t, w, bias):
   full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
-  chan = pl.BlockSpec((rows, h, w), lambda ci, bi: (ci, 0, 0))
-  pair = pl.BlockSpec((2, 1, rows, h, w), lambda ci, bi: (0, bi, ci, 0, 0))
+  chan = pl.BlockSpec((rows, t), lambda ci, bi: (ci, 0))
+  pair = pl.BlockSpec((2, 1, rows, t), lambda ci, bi: (0, bi, ci, 0))
   bias_spec = [] if bias is None else [pl.BlockSpec((rows, 1, w), lambda ci, bi: (ci, 0, 0))]
   return [full(m) for m in mats], chan, pair, bias_spec
 
@@ -268,8 +298,8 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
   flat, layout = _matrices(n, h, w, precision)
   mats = [jnp.asarray(m) for m in flat]
   mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
-  mat_specs, chan, pair, bias_spec = _specs(mats, rows, h, w, bias)
-  u5 = _pair(u, h, w)
+  mat_specs, chan, pair, bias_spec = _specs(mats, rows, t, w, bias)
+  u5 = _pair(u)
   sshape = (u5.shape[1], c, s, w)  # one plane of the saved spectrum
   sspec = pl.BlockSpec((1, rows, s, w), lambda ci, bi: (bi, ci, 0, 0))
   spectrum_in = [] if spectrum is None else list(spectrum)
@@ -280,14 +310,14 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
       grid=(tiling.cdiv(c, rows), u5.shape[1]),
       in_specs=mat_specs + [chan, pair] + [sspec] * len(spectrum_in) + bias_spec,
       out_specs=out_specs(chan, pair, sspec),
-      out_shape=out_shape(u5.shape, (c, h, w), sshape),
+      out_shape=out_shape(u5.shape, (c, t), sshape),
       scratch_shapes=[pltpu.VMEM((rows, s, w), jnp.float32)] * temps,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
       cost_estimate=pl.CostEstimate(flops=flops(passes, u5.shape[1] * c, s, h, w), transcendentals=0,
                                     bytes_accessed=bytes_accessed(u5.size, 2 * math.prod(sshape)) + mat_bytes),
-      interpret=interpret, name=name)(*mats, k.reshape(c, h, w), u5, *spectrum_in, *_bias_rows(bias, c, w))
+      interpret=interpret, name=name)(*mats, k, u5, *spectrum_in, *_bias_rows(bias, c, w))
 
 
 def _fft_flops(passes, s, h, w):

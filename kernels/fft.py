@@ -685,7 +685,7 @@ def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementatio
   from kernels import _fft_conv  # noqa: PLC0415  (it imports this module)
 
   def pallas(u, k, bias, interpret):
-    if _fft_conv.supported(t, causal):
+    if _fft_conv.supported(t, causal, target_chip()):
       return _fft_conv.fused_conv(u, k, bias, causal, precision, interpret)
     return _composed_conv(u, k, bias, causal=causal, precision=precision, interpret=interpret)
   return dispatch("fft_conv", u, k, bias, pallas=pallas,
@@ -717,7 +717,7 @@ def fft_conv_fuses(seq: int, causal: bool = True) -> bool:
   """True when :func:`fft_conv` at sequence length ``seq`` runs as one fused kernel (``seq`` a
   multiple of 128 whose padded transform length, ``2 * seq`` or ``seq``, is in (512, 65536])."""
   from kernels import _fft_conv  # noqa: PLC0415
-  return _fft_conv.supported(seq, causal)
+  return _fft_conv.supported(seq, causal, target_chip())
 
 
 def fft_conv_reference(u, k, *, causal=True, bias=None):

@@ -61,7 +61,7 @@ CASES = {  # name: (full rows, estimated rows, n)
 CONV = (8, 768, 8192)  # batch, channels, seq
 CONV_SLICE = (8, 8)  # estimated batch, channels (full / slice = 96): the whole batch, one channel block
 KERNEL_VERSION = 1
-CONV_VERSION = 2  # the fused fft_conv
+CONV_VERSION = 3  # the fused fft_conv, relayout in VMEM
 HIGHEST = lax.Precision.HIGHEST
 
 
