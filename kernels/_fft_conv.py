@@ -151,6 +151,22 @@ def _inverse(pr, pi, rows, s, g2, itw, g1, precision, put_row, real_only=False):
       put_row(r, *_cmul_left(wr[r], wi[r], g1, precision))
 
 
+def _filter_and_invert(zr, zi, kr, ki, lo, hi, bias_ref, out_ref, rows, s, g2, itw, g1, precision):
+  """``ifft(Z K)`` of a packed pair's ``[rows, S, L]`` spectrum into ``out_ref``'s two rows, plus
+  ``bias`` times the pair's input (``lo``, ``hi``, ``[rows, h, L]``) when there is one."""
+  pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
+  out = [], []
+
+  def put(r, a, b):
+    if bias_ref is not None:
+      a, b = a + bias_ref[r] * lo[r], b + bias_ref[r] * hi[r]
+    out[0].append(a)
+    out[1].append(b)
+  _inverse(pr.reshape(rows * s, -1), pi.reshape(rows * s, -1), rows, s, g2, itw, g1, precision, put)
+  out_ref[0, 0] = _unview(out[0])
+  out_ref[1, 0] = _unview(out[1])
+
+
 def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
   nm = sum(layout)
   f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
@@ -172,19 +188,7 @@ def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
   if save_spectrum:  # the packed pair's spectrum, for the backward pass
     zs_refs[0][0] = zr
     zs_refs[1][0] = zi
-  kr, ki = kr_s[...], ki_s[...]
-  pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
-
-  out = [], []
-
-  def put(r, a, b):
-    if has_bias:
-      a, b = a + bias_ref[r] * ulo[r], b + bias_ref[r] * uhi[r]
-    out[0].append(a)
-    out[1].append(b)
-  _inverse(pr.reshape(rows * s, -1), pi.reshape(rows * s, -1), rows, s, g2, itw, g1, precision, put)
-  y_ref[0, 0] = _unview(out[0])
-  y_ref[1, 0] = _unview(out[1])
+  _filter_and_invert(zr, zi, kr_s[...], ki_s[...], ulo, uhi, bias_ref, y_ref, rows, s, g2, itw, g1, precision)
 
 
 def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
@@ -215,19 +219,7 @@ def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
   ur, ui = zr_ref[0], zi_ref[0]
   ar_s[...] += ur * dr + ui * di  # conj(U) DY
   ai_s[...] += ur * di - ui * dr
-  kr, ki = kr_s[...], ki_s[...]
-
-  du = [], []
-
-  def put_du(r, a, c):
-    if has_bias:
-      a, c = a + bias_ref[r] * dlo[r], c + bias_ref[r] * dhi[r]
-    du[0].append(a)
-    du[1].append(c)
-  _inverse((dr * kr - di * ki).reshape(rows * s, -1), (dr * ki + di * kr).reshape(rows * s, -1), rows, s,
-           g2, itw, g1, precision, put_du)
-  du_ref[0, 0] = _unview(du[0])
-  du_ref[1, 0] = _unview(du[1])
+  _filter_and_invert(dr, di, kr_s[...], ki_s[...], dlo, dhi, bias_ref, du_ref, rows, s, g2, itw, g1, precision)
 
   @pl.when(b == pl.num_programs(1) - 1)
   def _():
