@@ -39,7 +39,7 @@ from kernels import tiling
 # the rows past the sum of group sizes, and padding), and the m-tile and group whose lhs/rhs
 # blocks the visit's index maps name (a no-compute visit names the last computing visit's, so
 # nothing is fetched).
-GMM_TABLES = ("tile", "group", "data_tile", "data_group")
+GMM_TABLES = ("tile", "group", "data_tile", "data_group", "full")
 # tgmm tables: the m-tile read, the group written, and flags (FIRST: the group's first visit,
 # LAST: its last, COMPUTE: the visit adds a product; an empty group has one visit, FIRST|LAST).
 TGMM_TABLES = ("tile", "group", "flags")
@@ -99,8 +99,10 @@ def gmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
   last_c = _cummax(xp, idx)
   data_tile = xp.where(last_c >= 0, tile[xp.maximum(last_c, 0)], 0).astype(xp.int32)
   data_group = xp.where(last_c >= 0, group[xp.maximum(last_c, 0)], 0).astype(xp.int32)
+  start, end = offsets[xp.minimum(group, experts)], offsets[xp.minimum(group, experts) + 1]
+  full = xp.logical_and(start <= tile * tm, end >= tile * tm + tm).astype(xp.int32)
   return dict(tile=tile.astype(xp.int32), group=group, data_tile=data_tile, data_group=data_group,
-              offsets=offsets.astype(xp.int32))
+              full=full, offsets=offsets.astype(xp.int32))
 
 
 def tgmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
@@ -271,7 +273,7 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   start = tables.get(pref, "offsets", g)
   end = tables.get(pref, "offsets", g + 1)
   row0 = tile * plan.tm
-  full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
+  full = tables.get(pref, 'full', v) > 0  # PROBE
   k_valid = plan.k - (nk - 1) * plan.tk
   sub = _sub_rows(plan.tm)
 
@@ -405,7 +407,7 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
   start = tables.get(pref, "offsets", g)
   end = tables.get(pref, "offsets", g + 1)
   row0 = tile * plan.tm
-  full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
+  full = tables.get(pref, 'full', v) > 0  # PROBE
 
   def product(masked: bool):
     x, y = lhs_ref[...], rhs_ref[...]
