@@ -273,7 +273,7 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   start = tables.get(pref, "offsets", g)
   end = tables.get(pref, "offsets", g + 1)
   row0 = tile * plan.tm
-  full = tables.get(pref, 'full', v) > 0  # PROBE
+  full = tables.get(pref, 'full', v) > 0  # per-visit table: the cost model mis-evaluates start <= row0 (two lookups)
   k_valid = plan.k - (nk - 1) * plan.tk
   sub = _sub_rows(plan.tm)
 
@@ -407,7 +407,7 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
   start = tables.get(pref, "offsets", g)
   end = tables.get(pref, "offsets", g + 1)
   row0 = tile * plan.tm
-  full = tables.get(pref, 'full', v) > 0  # PROBE
+  full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
 
   def product(masked: bool):
     x, y = lhs_ref[...], rhs_ref[...]
