@@ -38,7 +38,10 @@ from kernels import tiling
 # gmm tables, each of length V (the visit axis): the output m-tile, the group (E = no compute:
 # the rows past the sum of group sizes, and padding), and the m-tile and group whose lhs/rhs
 # blocks the visit's index maps name (a no-compute visit names the last computing visit's, so
-# nothing is fetched).
+# nothing is fetched), and whether the group covers the whole m-tile (1) or the tile straddles
+# a boundary (0). That flag is a table, not a comparison of the group's start with the tile's
+# row in the kernel, because libtpu's cost model mis-evaluates such a comparison of two lookups
+# (on about half the visits), which made its estimates of tall tiles impossibly fast.
 GMM_TABLES = ("tile", "group", "data_tile", "data_group", "full")
 # tgmm tables: the m-tile read, the group written, and flags (FIRST: the group's first visit,
 # LAST: its last, COMPUTE: the visit adds a product; an empty group has one visit, FIRST|LAST).
@@ -273,7 +276,7 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   start = tables.get(pref, "offsets", g)
   end = tables.get(pref, "offsets", g + 1)
   row0 = tile * plan.tm
-  full = tables.get(pref, 'full', v) > 0  # per-visit table: the cost model mis-evaluates start <= row0 (two lookups)
+  full = tables.get(pref, "full", v) > 0  # the group covers the whole tile (see GMM_TABLES)
   k_valid = plan.k - (nk - 1) * plan.tk
   sub = _sub_rows(plan.tm)
 
