@@ -68,12 +68,12 @@ MAX_ROWS = 8  # channels per grid step: the per-row left matmuls are unrolled
 
 def supported(t: int, causal: bool, chip=None) -> bool:
   """True when the fused kernel takes sequence length ``t`` on ``chip`` (else ``fft_conv`` composes
-  transform calls): ``t`` a multiple of 128, a two-stage padded length, and 8 channels' blocks and
-  temporaries within VMEM."""
+  transform calls): ``t`` a multiple of 128, a two-stage padded length, and ``MAX_ROWS`` channels'
+  blocks and temporaries within VMEM."""
   n = 2 * t if causal else t
   if not (t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX):
     return False
-  return 8 * _per_row(n, t, 4, 6) <= _budget(chip)
+  return MAX_ROWS * _per_row(n, t, 4, 6) <= _budget(chip)
 
 
 def lane_width(t: int, chip=None) -> int:

@@ -659,10 +659,10 @@ def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementatio
   zero-padded to ``2 * seq``, so nothing wraps around); ``causal=False`` the circular one of
   length ``seq``. ``bias`` (``[channels]``, Hyena's ``D``) adds ``bias[c] * u``.
 
-  **Fused** (``seq`` a multiple of 128 with ``2 * seq``, or ``seq`` when circular, in
-  (512, 65536]): one kernel does the filter's transform, the signal's, the spectral product
-  and the inverse in VMEM, with no transposes and the zero padding never stored (see
-  :mod:`kernels._fft_conv`); its backward is two more kernels (``du``, a correlation with
+  **Fused** (see :func:`fft_conv_fuses`): one kernel does the filter's transform, the
+  signal's, the spectral product and the inverse in VMEM, with no transposes and the zero
+  padding never stored (see :mod:`kernels._fft_conv`). Under differentiation it also saves
+  the signal's spectrum, and the backward is one more kernel (``du``, a correlation with
   ``k``; ``dk``, the correlation with ``u`` summed over the batch in VMEM). Other lengths
   compose the transform kernels above with the pointwise product in XLA (spectra make HBM
   round trips). Either way two batch rows ride in one complex transform (``u`` and ``k`` are
@@ -714,8 +714,9 @@ def _composed_conv(u, k, bias, *, causal, precision, interpret):
 
 
 def fft_conv_fuses(seq: int, causal: bool = True) -> bool:
-  """True when :func:`fft_conv` at sequence length ``seq`` runs as one fused kernel (``seq`` a
-  multiple of 128 whose padded transform length, ``2 * seq`` or ``seq``, is in (512, 65536])."""
+  """True when :func:`fft_conv` at sequence length ``seq`` runs as one fused kernel on the target
+  chip: ``seq`` a multiple of 128 whose padded transform length (``2 * seq``, or ``seq`` when
+  circular) is in (512, 65536], with 8 channels' blocks within the chip's VMEM."""
   from kernels import _fft_conv  # noqa: PLC0415
   return _fft_conv.supported(seq, causal, target_chip())
 
