@@ -41,11 +41,14 @@ from kernels import tiling
 # nothing is fetched), and whether the group covers the whole m-tile (1) or the tile straddles
 # a boundary (0). That flag is a table, not a comparison of the group's start with the tile's
 # row in the kernel, because libtpu's cost model mis-evaluates such a comparison of two lookups
-# (on about half the visits), which made its estimates of tall tiles impossibly fast.
-GMM_TABLES = ("tile", "group", "data_tile", "data_group", "full")
-# tgmm tables: the m-tile read, the group written, and flags (FIRST: the group's first visit,
-# LAST: its last, COMPUTE: the visit adds a product; an empty group has one visit, FIRST|LAST).
-TGMM_TABLES = ("tile", "group", "flags")
+# (on about half the visits), which made its estimates of tall tiles impossibly fast. For the
+# same reason a straddled tile's sub-tiles that meet the group are a table too: the first and
+# last of them (see _gmm_kernel).
+GMM_TABLES = ("tile", "group", "data_tile", "data_group", "full", "sub_first", "sub_last")
+# tgmm tables: the m-tile read, the group written, flags (FIRST: the group's first visit,
+# LAST: its last, COMPUTE: the visit adds a product; an empty group has one visit, FIRST|LAST),
+# and whether the group covers the whole tile (a table for the reason given above).
+TGMM_TABLES = ("tile", "group", "flags", "full")
 FIRST, LAST, COMPUTE = 1, 2, 4
 
 
@@ -103,9 +106,15 @@ def gmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
   data_tile = xp.where(last_c >= 0, tile[xp.maximum(last_c, 0)], 0).astype(xp.int32)
   data_group = xp.where(last_c >= 0, group[xp.maximum(last_c, 0)], 0).astype(xp.int32)
   start, end = offsets[xp.minimum(group, experts)], offsets[xp.minimum(group, experts) + 1]
-  full = xp.logical_and(start <= tile * tm, end >= tile * tm + tm).astype(xp.int32)
+  row0 = tile * tm
+  full = xp.logical_and(start <= row0, end >= row0 + tm).astype(xp.int32)
+  # The sub-tiles [row0 + s * sub, + sub) that meet [start, end) are s = sub_first .. sub_last.
+  sub = _sub_rows(tm)
+  sub_first = xp.clip((start - row0) // sub, 0, tm // sub - 1)
+  sub_last = xp.clip((end - 1 - row0) // sub, -1, tm // sub - 1)
   return dict(tile=tile.astype(xp.int32), group=group, data_tile=data_tile, data_group=data_group,
-              full=full, offsets=offsets.astype(xp.int32))
+              full=full, sub_first=sub_first.astype(xp.int32), sub_last=sub_last.astype(xp.int32),
+              offsets=offsets.astype(xp.int32))
 
 
 def tgmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
@@ -128,8 +137,9 @@ def tgmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
   flags = (xp.where(real & (within == 0), FIRST, 0) | xp.where(real & (within == count[g_c] - 1), LAST, 0)
            | xp.where(compute, COMPUTE, 0))
   group = xp.where(real, g_c, experts - 1)
+  full = xp.logical_and(starts[group] <= tile * tm, ends[group] >= tile * tm + tm)
   return dict(tile=tile.astype(xp.int32), group=group.astype(xp.int32), flags=flags.astype(xp.int32),
-              offsets=off.astype(xp.int32))
+              full=full.astype(xp.int32), offsets=off.astype(xp.int32))
 
 
 def _cummax(xp, x):
@@ -307,10 +317,10 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
       acc_ref[...] += p
 
   def partial_step(first: bool, last: bool):
+    sub_first, sub_last = tables.get(pref, "sub_first", v), tables.get(pref, "sub_last", v)
     for s in range(plan.tm // sub):
-      lo = row0 + s * sub
 
-      @pl.when(jnp.logical_and(lo < end, lo + sub > start))
+      @pl.when(jnp.logical_and(sub_first <= s, s <= sub_last))
       def _():
         p = product(lhs_ref[pl.ds(s * sub, sub), :], last)
         if first:
@@ -410,7 +420,7 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
   start = tables.get(pref, "offsets", g)
   end = tables.get(pref, "offsets", g + 1)
   row0 = tile * plan.tm
-  full = jnp.logical_and(start <= row0, end >= row0 + plan.tm)
+  full = tables.get(pref, "full", v) > 0  # the group covers the whole tile (see TGMM_TABLES)
 
   def product(masked: bool):
     x, y = lhs_ref[...], rhs_ref[...]

@@ -90,7 +90,7 @@ def assert_close(out, want, dtype):
 
 
 @pytest.mark.parametrize("name", list(SIZES))
-@pytest.mark.parametrize("tm", [128, 64])
+@pytest.mark.parametrize("tm", [256, 128, 64])
 def test_tables_numpy_and_jax_agree_and_cover_every_row_once(name, tm):
   sizes = np.array(SIZES[name], np.int32)
   for build in (K.gmm_tables, K.tgmm_tables):
@@ -109,6 +109,19 @@ def test_tables_numpy_and_jax_agree_and_cover_every_row_once(name, tm):
   assert (covered >= 1).all()
   visited_groups = set(t["group"][t["group"] < len(sizes)])
   assert visited_groups == {g for g, s in enumerate(sizes) if s > 0}  # empty groups are never visited
+  # The per-visit gates the kernels read (tables, not comparisons: see GMM_TABLES) are the
+  # row ranges' intersections.
+  sub = K._sub_rows(tm)
+  for i, (tile, g) in enumerate(zip(t["tile"], t["group"])):
+    lo, hi = off[min(g, len(sizes))], off[min(g, len(sizes)) + 1]
+    assert t["full"][i] == (lo <= tile * tm and hi >= tile * tm + tm)
+    meets = [s for s in range(tm // sub) if tile * tm + s * sub < hi and tile * tm + (s + 1) * sub > lo]
+    if g < len(sizes):
+      assert meets == list(range(t["sub_first"][i], t["sub_last"][i] + 1)), (i, meets)
+  tt = K.tgmm_tables(sizes, M, tm, xp=np)
+  starts, ends = tt["offsets"][:-1], tt["offsets"][1:]
+  for i, (tile, g) in enumerate(zip(tt["tile"], tt["group"])):
+    assert tt["full"][i] == (starts[g] <= tile * tm and ends[g] >= tile * tm + tm)
 
 
 def test_static_lookup_runs_reproduce_the_tables():
