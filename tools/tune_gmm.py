@@ -67,7 +67,7 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 BLOCKS_OUT = os.path.join(DATA, "gmm_blocks.json")
 BENCH_OUT = os.path.join(DATA, "gmm_bench.json")
 GENERATIONS = ("v5e", "v6e")
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2  # 2: the whole-tile and sub-tile gates are per-visit tables
 
 CASES = {
     "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048, n_slice_fwdbwd=1024),
@@ -305,8 +305,10 @@ def _header(description):
 
 # --- tune -------------------------------------------------------------------------------
 
-GMM_CANDIDATES = [(512, 1024, 1024), (512, 1024, 2048), (512, 2048, 2048), (1024, 512, 2048), (1024, 1024, 1024)]
-TGMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048)]
+# Tall m-tiles read each expert's weights once per n-tile for groups of up to tm rows; tk = k (4096)
+# keeps a group's weights in VMEM across its tiles, so skewed groups re-read nothing.
+GMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048), (1024, 2048, 2048), (1024, 4096, 2048)]
+TGMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048), (1024, 2048, 2048), (512, 4096, 2048)]
 
 
 def tune(args):
