@@ -436,19 +436,31 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
     dims = (((0,), (0,)), ((), ())) if lhs_tokens_major else (((1,), (0,)), ((), ()))
     return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
 
-  @pl.when(first)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
+  # A group seen in one visit (every group whose rows fit one m-tile) writes its product
+  # straight out; the accumulator round trip (zero, add, copy out) costs [tk, tn] f32 of
+  # VMEM loads and stores per pass, comparable to the dot's own time at these sizes.
+  single = jnp.logical_and(first, last)
 
-  @pl.when(jnp.logical_and(compute, full))
-  def _():
-    acc_ref[...] += product(False)
+  @pl.when(jnp.logical_and(single, jnp.logical_not(compute)))
+  def _():  # an empty group: its weight gradient is zero
+    o_ref[...] = jnp.zeros_like(o_ref)
 
-  @pl.when(jnp.logical_and(compute, jnp.logical_not(full)))
-  def _():
-    acc_ref[...] += product(True)
+  def write(masked):
+    o_ref[...] = product(masked).astype(o_ref.dtype)
 
-  @pl.when(last)
+  def begin(masked):
+    acc_ref[...] = product(masked)
+
+  def add(masked):
+    acc_ref[...] += product(masked)
+
+  for masked, cover in ((False, full), (True, jnp.logical_not(full))):
+    here = jnp.logical_and(compute, cover)
+    pl.when(jnp.logical_and(here, single))(functools.partial(write, masked))
+    pl.when(jnp.logical_and(here, jnp.logical_and(first, jnp.logical_not(last))))(functools.partial(begin, masked))
+    pl.when(jnp.logical_and(here, jnp.logical_not(first)))(functools.partial(add, masked))
+
+  @pl.when(jnp.logical_and(last, jnp.logical_not(first)))
   def _():
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
