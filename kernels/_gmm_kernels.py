@@ -5,10 +5,12 @@ public module :mod:`kernels.gmm` explains the design; this one is its mechanics.
 
 *Visit tables.* The rows (tokens) are cut into m-tiles of ``tm`` rows. A *visit* is one
 (m-tile, group) pair whose rows intersect; the grid's visit axis walks them in row order,
-so a tile straddling a group boundary is visited once per group it holds. Its length is
-static: ``m_tiles + E`` (an upper bound; see :func:`visit_count`), and the visits past the
-real ones are *padding*: they repeat the last visit's blocks (Pallas skips a DMA whose block
-index did not change) and do nothing.
+so a tile straddling a group boundary is visited once per group it holds. The tables have a
+static length, ``m_tiles + E`` (the most visits any sizes need; see :func:`visit_count`);
+the entries past the real visits are *padding* (they repeat the last visit's blocks and do
+nothing). The grid's visit axis is only as long as the real visits: a run-time grid bound
+when the sizes are traced, a Python int when they are concrete. Padding steps would each
+cost a grid step's fixed overhead, as many as there are experts per n-tile.
 
 The tables are int32 arrays, computed by :func:`gmm_tables` / :func:`tgmm_tables` either
 with ``jax.numpy`` from a traced ``group_sizes`` (they are then scalar-prefetched into SMEM
@@ -114,7 +116,7 @@ def gmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
   sub_last = xp.clip((end - 1 - row0) // sub, -1, tm // sub - 1)
   return dict(tile=tile.astype(xp.int32), group=group, data_tile=data_tile, data_group=data_group,
               full=full, sub_first=sub_first.astype(xp.int32), sub_last=sub_last.astype(xp.int32),
-              offsets=offsets.astype(xp.int32))
+              offsets=offsets.astype(xp.int32), visits=_count(xp, total))
 
 
 def tgmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
@@ -139,7 +141,12 @@ def tgmm_tables(group_sizes, m: int, tm: int, xp=jnp) -> dict:
   group = xp.where(real, g_c, experts - 1)
   full = xp.logical_and(starts[group] <= tile * tm, ends[group] >= tile * tm + tm)
   return dict(tile=tile.astype(xp.int32), group=group.astype(xp.int32), flags=flags.astype(xp.int32),
-              full=full.astype(xp.int32), offsets=off.astype(xp.int32))
+              full=full.astype(xp.int32), offsets=off.astype(xp.int32), visits=_count(xp, total))
+
+
+def _count(xp, total):
+  """The number of real visits: the grid's visit axis (a Python int for concrete sizes)."""
+  return int(total) if xp is np else total.astype(jnp.int32)
 
 
 def _cummax(xp, x):
@@ -383,7 +390,7 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
   if rhs_scale is not None:
     in_specs.append(pl.BlockSpec((sq, 1, tn), scale_map))
     args.append(rhs_scale)
-  grid = (plan.n_tiles, plan.visits, nk)
+  grid = (plan.n_tiles, tables_dict["visits"], nk)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs, out_specs=pl.BlockSpec((tm, tn), out_map),
       scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
@@ -491,7 +498,7 @@ def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_
 
   sq = pl.squeezed
   in_specs = [pl.BlockSpec((tm, tk) if lhs_tokens_major else (tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
-  grid = (plan.k_tiles, plan.n_tiles, plan.visits)
+  grid = (plan.k_tiles, plan.n_tiles, tables_dict["visits"])
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs,
       out_specs=pl.BlockSpec((sq, tk, tn), out_map), scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)])

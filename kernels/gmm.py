@@ -16,13 +16,16 @@ How the kernels work
 *Visits.* The rows are cut into m-tiles of ``tm`` rows. A *visit* is an (m-tile, group)
 pair whose rows intersect. The grid's middle axis walks the visits in row order, so a
 tile that straddles a group boundary is visited once per group it holds, and a group
-of 0 rows is never visited by gmm: empty groups cost nothing. The visit axis has a
-static length, ``m_tiles + E`` (the most visits any sizes need); the visits past the
-real ones repeat the last one's block indices (Pallas fetches nothing when a block
-index does not change) and compute nothing. The visit tables (per visit: its m-tile,
-its group, and which blocks to read) and the group offsets are computed from
-``group_sizes`` at run time by a few XLA ops and scalar-prefetched into SMEM, where
-the index maps and the kernel read them.
+of 0 rows is never visited by gmm: empty groups cost nothing. The visit tables (per
+visit: its m-tile, its group, which blocks to read, and whether the group covers the
+tile) and the group offsets are computed from ``group_sizes`` at run time by a few XLA
+ops and scalar-prefetched into SMEM, where the index maps and the kernel read them. The
+tables have a static length, ``m_tiles + E`` (the most visits any sizes need), but the
+grid's visit axis is a run-time bound, the number of real visits: a static axis of
+``m_tiles + E`` would spend a grid step's fixed overhead on each unused visit, up to E
+per n-tile and K step (with E=8 and 1024-row tiles, 16 of 32 steps at balanced sizes).
+libtpu's cost model cannot profile a run-time grid bound (it aborts), so
+:func:`kernels.compile_for_tpu` compiles such programs without it.
 
 *gmm.* Grid ``(n tiles, visits, k tiles)``, semantics (parallel, arbitrary,
 arbitrary). Step ``(j, v, kk)`` multiplies the lhs block ``(tile(v), kk)`` by the rhs

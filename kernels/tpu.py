@@ -206,6 +206,20 @@ def _readable(e: Exception, generation: str) -> CompileError:
   return err
 
 
+def dynamic_grid_kernels(f, args, chip) -> list[str]:
+  """The Pallas kernels of ``f(*args)`` whose grid has a run-time bound (e.g. :func:`kernels.gmm`'s
+  visit axis). libtpu's static profiler aborts the process on them, so such programs are compiled
+  without it and have no cost-model estimate."""
+  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+  try:
+    with _lock, target(chip):
+      jaxpr = jax.make_jaxpr(f)(*plain)
+  except Exception:  # noqa: BLE001 - the compile that follows reports it
+    return []
+  return [str(e.params.get("name") or "pallas_call")
+          for e in traffic.pallas_calls(jaxpr) if e.params["grid_mapping"].num_dynamic_grid_bounds]
+
+
 # The static profiler aborts the whole process when it meets a chip it cannot model
 # (v4: "Dma latency model is currently only supported on VF/VL/GF/GL"). While it is on,
 # other generations compile in a child process without it (see _compile_elsewhere).
@@ -346,9 +360,10 @@ def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", profile: bool 
   f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
   mesh = _multichip_mesh(args)
   if (_env.STATIC_PROFILE_DIR is not None and os.environ.get("KERNELS_STATIC_PROFILE") != "0"
-      and (not profile or chip.name not in PROFILED_GENERATIONS or mesh is not None)):
+      and (not profile or chip.name not in PROFILED_GENERATIONS or mesh is not None
+           or dynamic_grid_kernels(f, args, chip))):
     # Multi-chip programs too: the cost model cannot time their collectives, and profiling makes
-    # their compiles about 6x slower.
+    # their compiles about 6x slower. A run-time grid bound makes the profiler abort.
     return _compile_elsewhere(f, args, chip, topology=_mesh_topology.get(mesh) if mesh is not None else None)
   device = tpu_device(chip.name)
   abstract = _abstract(args, device)
@@ -581,6 +596,12 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         f"the TPU compiler's cost model cannot model TPU {chip.name} (libtpu: 'Dma latency model is only "
         f"supported on' {', '.join(PROFILED_GENERATIONS)}); compile_for_tpu still compiles for it")
+  dynamic = dynamic_grid_kernels(jax.jit(functools.partial(fn, **kwargs) if kwargs else fn), args, chip)
+  if dynamic:
+    raise EstimatorUnavailableError(
+        f"the TPU compiler's cost model cannot estimate a Pallas kernel with a run-time grid bound "
+        f"({', '.join(dynamic)}): libtpu's profiler aborts on it. Estimate a variant with a static grid "
+        "(kernels.gmm_static_groups for the grouped matmuls)")
   if isolate:
     f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
     try:

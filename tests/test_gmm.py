@@ -181,6 +181,37 @@ def test_static_offsets_kernel_equals_dynamic(name):
                                 np.asarray(call_tgmm(lt, rt, sizes)))
 
 
+def _visit_axes(fn, *args):
+  """The visit-axis length of each grouped-matmul kernel in ``fn``'s jaxpr (a tracer for a run-time bound)."""
+  from kernels import traffic
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  out = []
+  for e in traffic.pallas_calls(jaxpr):
+    gm_ = e.params["grid_mapping"]
+    out.append((e.params["name"], gm_.grid, gm_.num_dynamic_grid_bounds))
+  return out
+
+
+def test_the_visit_axis_holds_only_real_visits():
+  # A static axis of m_tiles + E would spend a grid step on every unused visit. Balanced
+  # sizes on whole tiles visit each m-tile once: gmm's axis is m_tiles long, tgmm's too.
+  lhs, rhs, lt, rt = rand((M, KD)), rand((4, KD, N)), rand((KD, M)), rand((M, N))
+  balanced = np.array([128, 128, 0, 44])  # tiles of 128: three visits (the last tile's rows end at the sum)
+  (name, grid, dyn), = _visit_axes(lambda a, b: gm.gmm_static_groups(a, b, balanced, block_sizes=(128, 128, 128)),
+                                   lhs, rhs)
+  assert (name, grid[1], dyn) == ("gmm", 3, 0)
+  (name, grid, dyn), = _visit_axes(lambda a, b: gm.tgmm_static_groups(a, b, balanced, block_sizes=(128, 128, 128)),
+                                   lt, rt)
+  assert (name, grid[2], dyn) == ("tgmm", 4, 0)  # the empty group has its one (zero-writing) visit
+  # With traced sizes the axis is a run-time bound (the real count, from the tables).
+  (name, grid, dyn), = _visit_axes(lambda a, b, g: kernels.gmm(a, b, g, implementation="pallas", interpret=True,
+                                                               block_sizes=(128, 128, 128)),
+                                   lhs, rhs, jnp.asarray(balanced, jnp.int32))
+  assert name == "gmm" and dyn == 1
+  t = K.gmm_tables(jnp.asarray(balanced, jnp.int32), M, 128)
+  assert int(t["visits"]) == 3 == K.gmm_tables(balanced, M, 128, xp=np)["visits"]
+
+
 def test_traced_group_sizes_under_jit():
   lhs, rhs = rand((M, KD), seed=11), rand((4, KD, N), seed=12)
   f = jax.jit(lambda a, b, g: call_gmm(a, b, g))

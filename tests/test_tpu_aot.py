@@ -109,6 +109,25 @@ def test_a_pallas_kernel_the_model_does_not_charge_makes_the_estimate_incomplete
   assert e.complete == (e.ops[name] > 0) and (e.valid or not e.complete)
 
 
+def test_a_run_time_grid_bound_compiles_without_the_profiler_and_has_no_estimate():
+  # libtpu's static profiler aborts the process on a Pallas grid with a run-time bound (kernels.gmm's
+  # visit axis): such a program compiles without it, and estimating it is refused before libtpu runs.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  def dynamic(x, steps):
+    spec = pl.BlockSpec((8, 128), lambda i, s: (i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(steps[0],), in_specs=[spec], out_specs=spec)
+    return pl.pallas_call(lambda s_ref, x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2.0), grid_spec=grid_spec,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="dynamic")(steps, x)
+  args = (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
+  assert kernels.tpu.dynamic_grid_kernels(jax.jit(dynamic), args, kernels.get_chip("v5e")) == ["dynamic"]
+  comp = kernels.compile_for_tpu(dynamic, *args, generation="v5e")
+  assert "tpu_custom_call" in comp.hlo
+  with pytest.raises(kernels.errors.EstimatorUnavailableError, match="run-time grid bound"):
+    kernels.estimate_tpu(dynamic, *args, generation="v5e")
+
+
 def test_estimate_orders_block_sizes():
   # 4096^3: 128x128 output tiles re-read A and B 4x more than 512x512 tiles; the estimate must see it.
   n = 4096

@@ -321,9 +321,11 @@ def tune(args):
       "v5p and v4 copy v5e (not swept; v4 has no cost model); kernels.gmm shrinks blocks that do not fit VMEM.")
   defaults = table.setdefault("defaults", {})
   for gen in args.generations:
-    entry = {}
+    entry = {k: v for k, v in defaults.get(gen, {}).items() if k not in args.kernels}
     for kernel, cands, groups in (("gmm", GMM_CANDIDATES, ("balanced", "skewed")), ("tgmm", TGMM_CANDIDATES,
                                                                                     ("balanced",))):
+      if kernel not in args.kernels:
+        continue
       sweep = {}
       for blocks in cands:
         for g in groups:
@@ -408,6 +410,7 @@ def main(argv=None):
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--impls", nargs="*", default=None)
+  ap.add_argument("--kernels", nargs="*", default=["gmm", "tgmm"], help="(tune) which kernels to tune")
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
   ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop an estimate above this much RAM")
