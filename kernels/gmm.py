@@ -44,11 +44,13 @@ nothing (their index maps repeat the last computing visit's blocks). With
 
 *tgmm.* Grid ``(k tiles, n tiles, visits)``: the visits (over the token dimension, the
 contraction) are innermost and the output block ``[group(v), i, j]`` stays in VMEM
-while consecutive visits belong to the same group. A group's first visit zeroes the
-f32 accumulator, each visit adds ``lhs[:, tile] @ rhs[tile]`` with the rows outside the
-group selected to zero in both operands (only in a tile the group does not cover; the
-rest of a partial tile is other groups' rows or stale VMEM), and the group's last visit
-writes the block. An empty group has one visit that reads nothing and writes zeros
+while consecutive visits belong to the same group. Each visit computes
+``lhs[:, tile] @ rhs[tile]`` with the rows outside the group selected to zero in both
+operands (only in a tile the group does not cover; the rest of a partial tile is other
+groups' rows or stale VMEM). A group's first visit sets the f32 accumulator, later ones
+add, and its last writes the block; a group seen in one visit (its rows fit one tile)
+writes its product straight out, skipping the accumulator's VMEM round trip, the
+common case with tall tiles. An empty group has one visit that reads nothing and writes zeros
 (the ``[E, k, n]`` result must be written); rows past the sum are never read.
 
 *Backward* (``custom_vjp``). ``d lhs = gmm(d out, rhs, transpose_rhs=not

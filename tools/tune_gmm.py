@@ -25,13 +25,16 @@ combine einsums are not included).
 *Cases.* ``E8``: 8192 rows (routed tokens), E=8, k=4096, n=14336, group sizes ``balanced``
 (1024 each), ``skewed`` ([4096, 2048, 1024, 512, 256, 128, 64, 64]) and ``empty`` (2048 in
 every other group, 0 in the rest). ``E64``: 8192 tokens x top-8 = 65536 rows, E=64,
-k=2048, n=1408, balanced; its full program needs more memory than this machine can give the cost
-model (the cost model's memory grows with the number of experts), so it is estimated at 4 and 8 experts
-with the same 1024 rows each and extrapolated linearly in the experts (``scaled``; the slices under
-``slices``, the E=2 slice as a check that the cost is affine: see ``estimate_experts_slices``). A full-size E8 program needs more memory than this machine can
-give the cost model, so E8 is estimated on a slice of n (``n_slice`` columns: 2048 forward,
-1024 forward + backward; the n tiles are independent grid steps) and ``us`` is scaled by ``n / n_slice`` (``scaled_by``); the
-slice's own numbers are under ``slice``. The roofline (``fraction_of_roofline``) is on the
+k=2048, n=1408, balanced. Every program is first estimated at full size. Where that needs
+more memory than ``--max-rss-gb`` (16 GB by default; the cost model's memory grows with the
+number of grid steps and experts), E64 is estimated at 4 and 8 experts with the same 1024
+rows each and extrapolated linearly in the experts (``scaled``; the slices under ``slices``,
+the E=2 slice as a check that the cost is affine: see ``estimate_experts_slices``), and E8 on
+a slice of n (``FALLBACK_N``: 2048 columns forward, 1024 forward + backward; the n tiles are
+independent grid steps), with ``us`` scaled by ``n / n_slice`` (``scaled_by``; the slice's
+own numbers under ``slice``). Scaling a slice charges the pipeline's fill and drain once
+per slice, so it overstates a kernel whose first blocks are large: the full-size estimate
+is preferred, and ``full_size_error`` says why a record did not get one. The roofline (``fraction_of_roofline``) is on the
 FLOPs actually needed, ``2 * rows * k * n`` (x3 with the backward), and the compulsory
 bytes (each operand read once, each result written once).
 
@@ -70,8 +73,8 @@ GENERATIONS = ("v5e", "v6e")
 KERNEL_VERSION = 2  # 2: the whole-tile and sub-tile gates are per-visit tables
 
 CASES = {
-    "E8": dict(rows=8192, k=4096, n=14336, experts=8, n_slice=2048, n_slice_fwdbwd=1024),
-    "E64": dict(rows=65536, k=2048, n=1408, experts=64, n_slice=1408, n_slice_fwdbwd=1408, experts_slices=(4, 8, 2)),
+    "E8": dict(rows=8192, k=4096, n=14336, experts=8),
+    "E64": dict(rows=65536, k=2048, n=1408, experts=64, experts_slices=(4, 8, 2)),
 }
 SKEW = [4096, 2048, 1024, 512, 256, 128, 64, 64]
 MEGABLOX_TILINGS = {"megablox_default": (128, 128, 128), "megablox_large": (512, 1024, 1024)}
@@ -127,9 +130,11 @@ def capacity(case) -> int:
   return int(math.ceil(CAPACITY * c["rows"] / c["experts"] / 8) * 8)
 
 
+FALLBACK_N = {"fwd": 2048, "fwdbwd": 1024}  # E8's slice of n when the full program needs too much memory
+
+
 def _n(cfg) -> int:
-  c = CASES[cfg["case"]]
-  return cfg.get("n") or (c["n_slice"] if cfg["mode"] == "fwd" else c["n_slice_fwdbwd"])
+  return cfg.get("n") or CASES[cfg["case"]]["n"]
 
 
 def _program(cfg):
@@ -189,7 +194,7 @@ def estimate(cfg) -> dict:
   return r
 
 
-MAX_RSS_GB = 7.5  # --max-rss-gb
+MAX_RSS_GB = 16.0  # --max-rss-gb (this machine has 24 GB)
 TIMEOUT = None  # --timeout (seconds per estimate; None: no limit)
 
 
@@ -284,11 +289,25 @@ def extrapolate_experts(cfg, parts: dict) -> dict:
 
 
 def estimate_isolated(cfg) -> dict:
+  """The full-size estimate, else (it needed more memory than MAX_RSS_GB) E64's experts slices or
+  E8's slice of n, scaled."""
   c = CASES[cfg["case"]]
+  r = run_guarded(cfg)
+  if "us" in r or "memory" not in r.get("error", ""):
+    return r
+  full_size_error = r["error"]
   if c.get("experts_slices") and not cfg.get("experts"):
     r = estimate_experts_slices(cfg)
   else:
+    cfg = dict(cfg, n=FALLBACK_N[cfg["mode"]])
     r = run_guarded(cfg)
+  r = _scaled_to_n(cfg, r)
+  r["full_size_error"] = full_size_error
+  return r
+
+
+def _scaled_to_n(cfg, r) -> dict:
+  c = CASES[cfg["case"]]
   n = _n(cfg)
   if "us" in r and n != c["n"]:  # scale the slice to the full n
     s = c["n"] / n
@@ -307,8 +326,8 @@ def _header(description):
 
 # Tall m-tiles read each expert's weights once per n-tile for groups of up to tm rows; tk = k (4096)
 # keeps a group's weights in VMEM across its tiles, so skewed groups re-read nothing.
-GMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048), (1024, 2048, 2048), (1024, 4096, 2048)]
-TGMM_CANDIDATES = [(512, 1024, 1024), (512, 2048, 2048), (1024, 1024, 2048), (1024, 2048, 2048), (512, 4096, 2048)]
+GMM_CANDIDATES = [(512, 2048, 2048), (1024, 1024, 2048), (1024, 2048, 2048), (1024, 4096, 2048)]
+TGMM_CANDIDATES = [(512, 2048, 2048), (1024, 2048, 2048), (512, 4096, 2048)]
 
 
 def tune(args):
@@ -316,8 +335,8 @@ def tune(args):
   table["description"] = (
       "Default blocks (tm, tk, tn) of kernels.gmm's two kernels per TPU generation. Chosen from compiler "
       "estimates (libtpu's static cost model, floored; estimates, not measurements) of the static-offsets kernel "
-      "(group sizes as compile-time constants) on the E8 case (8192 rows, E=8, k=4096) on a 2048-column slice of "
-      "n: gmm ranked on balanced + skewed forward us, tgmm ([k, rows] x [rows, n] -> [E, k, n]) on balanced us. "
+      "(group sizes as compile-time constants) on the E8 case at full size (8192 rows, E=8, k=4096, n=14336): "
+      "gmm ranked on balanced + skewed forward us, tgmm ([k, rows] x [rows, n] -> [E, k, n]) on balanced us. "
       "v5p and v4 copy v5e (not swept; v4 has no cost model); kernels.gmm shrinks blocks that do not fit VMEM.")
   defaults = table.setdefault("defaults", {})
   for gen in args.generations:
