@@ -198,6 +198,11 @@ def _plan(kernel: str, m: int, k: int, n: int, experts: int, blocks: GmmBlockSiz
       break
     _, i = max(options)
     tm, tk, tn = [v // 2 if j == i else v for j, v in enumerate((tm, tk, tn))]
+
+  def even(b, dim):  # the same number of blocks, split evenly: no mostly-empty last block on the MXU
+    return b if b >= dim else min(b, tiling.round_up(tiling.cdiv(dim, tiling.cdiv(dim, b)), tiling.LANES))
+  tk = tk if explicit[1] else even(tk, k)  # e.g. k = 14336 (gmm's backward) at tk = 4096: 4 blocks of 3584
+  tn = tn if explicit[2] else even(tn, n)
   limit = tiling.vmem_limit(need(tm, tk, tn), c, value=blocks)
   return K.Plan(tm, tk, tn, m, k, n, experts), limit
 
