@@ -24,8 +24,9 @@ tables have a static length, ``m_tiles + E`` (the most visits any sizes need), b
 grid's visit axis is a run-time bound, the number of real visits: a static axis of
 ``m_tiles + E`` would spend a grid step's fixed overhead on each unused visit, up to E
 per n-tile and K step (with E=8 and 1024-row tiles, 16 of 32 steps at balanced sizes).
-libtpu's cost model cannot profile a run-time grid bound (it aborts), so
-:func:`kernels.compile_for_tpu` compiles such programs without it.
+libtpu's profiler can abort the process on a run-time grid bound, so
+:func:`kernels.compile_for_tpu` compiles such programs without it and
+:func:`kernels.estimate_tpu` estimates them in a child process.
 
 *gmm.* Grid ``(n tiles, visits, k tiles)``, semantics (parallel, arbitrary,
 arbitrary). Step ``(j, v, kk)`` multiplies the lhs block ``(tile(v), kk)`` by the rhs
@@ -186,8 +187,10 @@ def _plan(kernel: str, m: int, k: int, n: int, experts: int, blocks: GmmBlockSiz
   explicit = [v is not None for v in (blocks.tm, blocks.tk, blocks.tn)]
   tm = _legal(blocks.tm or d.tm, m, "tm", blocks)
   tk = _legal(blocks.tk or d.tk, k, "tk", blocks)
-  # A default tn within 1.5x of n becomes n: one n-tile reads lhs once instead of twice.
-  tn = _legal(blocks.tn or (n if n <= 1.5 * d.tn else d.tn), n, "tn", blocks)
+  # gmm: a default tn within 1.5x of n becomes n (one n-tile reads lhs once instead of twice).
+  # tgmm keeps its tn: a wider [tk, tn] f32 product does not fit VMEM beside its blocks.
+  widen = kernel == "gmm" and n <= 1.5 * d.tn
+  tn = _legal(blocks.tn or (n if widen else d.tn), n, "tn", blocks)
   c = get_chip(chip or "v5e")
 
   def need(tm, tk, tn):

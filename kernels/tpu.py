@@ -208,8 +208,8 @@ def _readable(e: Exception, generation: str) -> CompileError:
 
 def dynamic_grid_kernels(f, args, chip) -> list[str]:
   """The Pallas kernels of ``f(*args)`` whose grid has a run-time bound (e.g. :func:`kernels.gmm`'s
-  visit axis). libtpu's static profiler aborts the process on them, so such programs are compiled
-  without it and have no cost-model estimate."""
+  visit axis). libtpu's static profiler can abort the process on them (seen compiling in this
+  process), so such programs are compiled without it, and estimated in a child process."""
   plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
   try:
     with _lock, target(chip):
@@ -596,12 +596,9 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         f"the TPU compiler's cost model cannot model TPU {chip.name} (libtpu: 'Dma latency model is only "
         f"supported on' {', '.join(PROFILED_GENERATIONS)}); compile_for_tpu still compiles for it")
-  dynamic = dynamic_grid_kernels(jax.jit(functools.partial(fn, **kwargs) if kwargs else fn), args, chip)
-  if dynamic:
-    raise EstimatorUnavailableError(
-        f"the TPU compiler's cost model cannot estimate a Pallas kernel with a run-time grid bound "
-        f"({', '.join(dynamic)}): libtpu's profiler aborts on it. Estimate a variant with a static grid "
-        "(kernels.gmm_static_groups for the grouped matmuls)")
+  # A run-time grid bound can make libtpu's profiler abort the process: estimate it in a child.
+  isolate = isolate or bool(dynamic_grid_kernels(jax.jit(functools.partial(fn, **kwargs) if kwargs else fn),
+                                                 args, chip))
   if isolate:
     f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
     try:

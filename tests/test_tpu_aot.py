@@ -109,9 +109,9 @@ def test_a_pallas_kernel_the_model_does_not_charge_makes_the_estimate_incomplete
   assert e.complete == (e.ops[name] > 0) and (e.valid or not e.complete)
 
 
-def test_a_run_time_grid_bound_compiles_without_the_profiler_and_has_no_estimate():
-  # libtpu's static profiler aborts the process on a Pallas grid with a run-time bound (kernels.gmm's
-  # visit axis): such a program compiles without it, and estimating it is refused before libtpu runs.
+def test_a_run_time_grid_bound_compiles_without_the_profiler_and_is_estimated_in_a_child():
+  # libtpu's static profiler can abort the process on a Pallas grid with a run-time bound (kernels.gmm's
+  # visit axis): such a program compiles without it here, and is estimated in a child process.
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
@@ -124,8 +124,8 @@ def test_a_run_time_grid_bound_compiles_without_the_profiler_and_has_no_estimate
   assert kernels.tpu.dynamic_grid_kernels(jax.jit(dynamic), args, kernels.get_chip("v5e")) == ["dynamic"]
   comp = kernels.compile_for_tpu(dynamic, *args, generation="v5e")
   assert "tpu_custom_call" in comp.hlo
-  with pytest.raises(kernels.errors.EstimatorUnavailableError, match="run-time grid bound"):
-    kernels.estimate_tpu(dynamic, *args, generation="v5e")
+  e = kernels.estimate_tpu(dynamic, *args, generation="v5e")
+  assert any(n.startswith("dynamic") and c > 0 for n, c in e.ops.items())
 
 
 def test_estimate_orders_block_sizes():

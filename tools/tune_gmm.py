@@ -399,7 +399,7 @@ def bench(args):
   results = table.setdefault("results", {})
   for case, groups, impl, mode in BENCH:
     for gen in args.generations:
-      if args.impls and impl not in args.impls:
+      if (args.impls and impl not in args.impls) or (args.modes and mode not in args.modes):
         continue
       if args.stop_at and time.time() > args.stop_at:
         print("stopping: --stop-at reached", flush=True)
@@ -429,6 +429,7 @@ def main(argv=None):
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--impls", nargs="*", default=None)
+  ap.add_argument("--modes", nargs="*", default=None, help="(bench) fwd and/or fwdbwd")
   ap.add_argument("--kernels", nargs="*", default=["gmm", "tgmm"], help="(tune) which kernels to tune")
   ap.add_argument("--force", action="store_true")
   ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
