@@ -452,20 +452,23 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
   def _():  # an empty group: its weight gradient is zero
     o_ref[...] = jnp.zeros_like(o_ref)
 
-  def write(masked):
-    o_ref[...] = product(masked).astype(o_ref.dtype)
+  def visit(masked: bool):  # one dot per branch: Mosaic gives each dot's result its own VMEM
+    p = product(masked)
 
-  def begin(masked):
-    acc_ref[...] = product(masked)
+    @pl.when(single)
+    def _():
+      o_ref[...] = p.astype(o_ref.dtype)
 
-  def add(masked):
-    acc_ref[...] += product(masked)
+    @pl.when(jnp.logical_and(first, jnp.logical_not(last)))
+    def _():
+      acc_ref[...] = p
 
-  for masked, cover in ((False, full), (True, jnp.logical_not(full))):
-    here = jnp.logical_and(compute, cover)
-    pl.when(jnp.logical_and(here, single))(functools.partial(write, masked))
-    pl.when(jnp.logical_and(here, jnp.logical_and(first, jnp.logical_not(last))))(functools.partial(begin, masked))
-    pl.when(jnp.logical_and(here, jnp.logical_not(first)))(functools.partial(add, masked))
+    @pl.when(jnp.logical_not(first))
+    def _():
+      acc_ref[...] += p
+
+  pl.when(jnp.logical_and(compute, full))(functools.partial(visit, False))
+  pl.when(jnp.logical_and(compute, jnp.logical_not(full)))(functools.partial(visit, True))
 
   @pl.when(jnp.logical_and(last, jnp.logical_not(first)))
   def _():

@@ -167,15 +167,19 @@ def _legal(b: int, d: int, name: str, blocks) -> int:
   return b
 
 
-def _vmem_bytes(kernel: str, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype) -> int:
+def _vmem_bytes(kernel: str, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k: int | None = None) -> int:
   if kernel == "gmm":
     blocks = [((tm, tk), lhs_dtype), ((tk, tn), rhs_dtype), ((tm, tn), out_dtype), ((1, tn), jnp.float32)]
     scratch = [((tm, tn), jnp.float32), ((tm, tk), lhs_dtype)]  # accumulator; Mosaic's copy of the lhs tile
+    # Mosaic gives each dot's f32 result its own VMEM: per K-step variant (one if K fits one
+    # block, else first / middle / last), the whole-tile dot and the sub-tile dots, tm rows each.
+    scratch += [((tm, tn), jnp.float32)] * (2 * (1 if k is not None and tk >= k else 3))
     if jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
       scratch.append(((tk, tn), lhs_dtype))  # the converted rhs tile
   else:
     blocks = [((tk, tm), lhs_dtype), ((tm, tn), rhs_dtype), ((tk, tn), out_dtype)]
-    scratch = [((tk, tn), jnp.float32), ((tk, tm), lhs_dtype), ((tm, tn), rhs_dtype)]  # masked copies
+    # the accumulator, the product (one live [tk, tn] f32 value), and the masked copies
+    scratch = [((tk, tn), jnp.float32), ((tk, tn), jnp.float32), ((tk, tm), lhs_dtype), ((tm, tn), rhs_dtype)]
   return tiling.vmem_footprint(blocks, scratch=scratch)
 
 
@@ -194,7 +198,7 @@ def _plan(kernel: str, m: int, k: int, n: int, experts: int, blocks: GmmBlockSiz
   c = get_chip(chip or "v5e")
 
   def need(tm, tk, tn):
-    return _vmem_bytes(kernel, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype)
+    return _vmem_bytes(kernel, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k)
   while 1.25 * need(tm, tk, tn) + (1 << 20) > c.vmem_bytes:  # shrink the defaults (never an explicit size)
     options = [(v, i) for i, (v, e) in enumerate(zip((tm, tk, tn), explicit)) if not e and v > 128 and v % 256 == 0]
     if not options:

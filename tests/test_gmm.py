@@ -380,8 +380,8 @@ comp = kernels.compile_for_tpu(lambda *a: [fwd_bwd()(*a[:4]), fwd_bwd(True)(a[0]
                                sds((m, k), bf16), sds((e, k, n), bf16), sds((e,), i32), sds((m, n), bf16),
                                sds((e, n, k), bf16), sds((k, m), bf16), generation=gen)
 assert comp.hlo.count("tpu_custom_call") == 7, comp.hlo
-# The benchmark shapes (a slice of n), dynamic and static group sizes.
-m, k, n, e = 8192, 4096, 1024, 8
+# The benchmark shapes (full size), dynamic and static group sizes.
+m, k, n, e = 8192, 4096, 14336, 8
 skewed = np.array([4096, 2048, 1024, 512, 256, 128, 64, 64])
 args = (sds((m, k), bf16), sds((e, k, n), bf16), sds((e,), i32), sds((m, n), bf16))
 comp = kernels.compile_for_tpu(fwd_bwd(), *args, generation=gen)
