@@ -206,11 +206,16 @@ def _readable(e: Exception, generation: str) -> CompileError:
   return err
 
 
+def _plain(args):
+  """``args`` as unsharded ShapeDtypeStructs (for tracing)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+
+
 def dynamic_grid_kernels(f, args, chip) -> list[str]:
   """The Pallas kernels of ``f(*args)`` whose grid has a run-time bound (e.g. :func:`kernels.gmm`'s
   visit axis). libtpu's static profiler can abort the process on them (seen compiling in this
   process), so such programs are compiled without it, and estimated in a child process."""
-  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+  plain = _plain(args)
   try:
     with _lock, target(chip):
       jaxpr = jax.make_jaxpr(f)(*plain)
@@ -363,7 +368,7 @@ def compile_for_tpu(fn: Callable, *args, generation: str = "v5e", profile: bool 
       and (not profile or chip.name not in PROFILED_GENERATIONS or mesh is not None
            or dynamic_grid_kernels(f, args, chip))):
     # Multi-chip programs too: the cost model cannot time their collectives, and profiling makes
-    # their compiles about 6x slower. A run-time grid bound makes the profiler abort.
+    # their compiles about 6x slower. A run-time grid bound can make the profiler abort.
     return _compile_elsewhere(f, args, chip, topology=_mesh_topology.get(mesh) if mesh is not None else None)
   device = tpu_device(chip.name)
   abstract = _abstract(args, device)
@@ -538,7 +543,7 @@ def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCo
   chip = get_chip(generation)
   comp = compilation or compile_for_tpu(fn, *args, generation=chip.name, **kwargs)
   f = functools.partial(fn, **kwargs) if kwargs else fn
-  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+  plain = _plain(args)
   notes: list[str] = []
   pallas: dict[str, traffic.PallasTraffic] = {}
   partial = False
@@ -596,11 +601,9 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         f"the TPU compiler's cost model cannot model TPU {chip.name} (libtpu: 'Dma latency model is only "
         f"supported on' {', '.join(PROFILED_GENERATIONS)}); compile_for_tpu still compiles for it")
+  f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
   # A run-time grid bound can make libtpu's profiler abort the process: estimate it in a child.
-  isolate = isolate or bool(dynamic_grid_kernels(jax.jit(functools.partial(fn, **kwargs) if kwargs else fn),
-                                                 args, chip))
-  if isolate:
-    f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
+  if isolate or dynamic_grid_kernels(f, args, chip):
     try:
       comp = _compile_elsewhere(f, args, chip, mode="estimate")
     except RuntimeError as e:
