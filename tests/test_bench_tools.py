@@ -100,3 +100,45 @@ def test_stored_unaligned_matmul_records_match_the_current_default_plan():
       assert r["blocks_used"] == [b.bm, b.bk, b.bn], (gen, m, k, n, r["blocks_used"], b)
       checked += 1
   assert checked >= len(bm.UNALIGNED)
+
+
+def _load_bench_moe():
+  sys.path.insert(0, str(ROOT / "tools"))
+  spec = importlib.util.spec_from_file_location("tools_bench_moe", ROOT / "tools" / "bench_moe.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("group", [16, 64])
+def test_dense_capacity_layer_is_the_moe_layer_when_nothing_drops(group):
+  """The dense baseline of tools/bench_moe.py computes the same layer: with a capacity that
+  drops nothing (capacity factor = experts), in f32, it equals kernels.moe_reference."""
+  bm = _load_bench_moe()
+  from kernels.moe import moe_reference
+  t, d, e, f, k = 64, 32, 4, 16, 2
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(keys[0], (t, d), jnp.float32)
+  rw = jax.random.normal(keys[1], (d, e), jnp.float32)
+  wgu = jax.random.normal(keys[2], (e, d, 2 * f), jnp.float32) / np.sqrt(d)
+  wd = jax.random.normal(keys[3], (e, f, d), jnp.float32) / np.sqrt(f)
+  case = dict(tokens=t, d=d, f=f, experts=e, top_k=k)
+  with jax.default_matmul_precision("highest"):
+    y, _ = bm.dense_layer(case, capacity_factor=float(e), group=group)(x, rw, wgu, wd)
+    want, _ = moe_reference(x, rw, wgu, None, wd, top_k=k)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_capacity_layer_drops_per_group():
+  """At capacity factor 1.25 a group's overflow is dropped: tokens all routed to one expert
+  keep only that expert's capacity per group."""
+  bm = _load_bench_moe()
+  t, d, e, f, k, group = 64, 8, 4, 8, 1, 16
+  x = jnp.ones((t, d), jnp.float32)
+  rw = jnp.zeros((d, e), jnp.float32).at[:, 0].set(1.0)  # every token picks expert 0
+  wgu = jnp.ones((e, d, 2 * f), jnp.float32)
+  wd = jnp.ones((e, f, d), jnp.float32)
+  y, _ = bm.dense_layer(dict(tokens=t, d=d, f=f, experts=e, top_k=k), capacity_factor=1.25, group=group)(x, rw, wgu, wd)
+  kept = np.asarray(jnp.any(y != 0, axis=1)).reshape(t // group, group).sum(axis=1)
+  cap = int(np.ceil(1.25 * group * k / e))
+  np.testing.assert_array_equal(kept, [cap] * (t // group))

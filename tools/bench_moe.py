@@ -13,8 +13,9 @@ combine (:func:`kernels.moe._expert_layer`):
 * ``megablox``: the same layer on ``jax.experimental.pallas.ops.tpu.megablox.gmm``
   (its custom VJP), at its default tiling ``(128, 128, 128)`` (``megablox``) and at a
   large tiling ``(512, 1024, 1024)`` clipped to each matmul (``megablox_large``);
-* ``dense``: GShard's dense capacity layout at capacity factor 1.25: one-hot dispatch and
-  combine tensors ``[tokens, experts, capacity]`` and ``einsum`` for everything.
+* ``dense``: GShard's dense capacity layout at capacity factor 1.25, with the tokens in
+  groups of 2048 (``DENSE_GROUP``), each with its own capacity: one-hot dispatch and combine
+  tensors ``[groups, 2048, experts * capacity]`` and ``einsum`` for everything.
 
 *Group sizes seen by the cost model.* libtpu's cost model reads scalar-prefetched values
 as 0, and both ``gmm`` and megablox scalar-prefetch their group tables. ``ours`` is
@@ -27,14 +28,17 @@ constant sizes. megablox has no such method: its grid length and tables are comp
 at run time, so its estimate is the cost model's reading of the dynamic program, and
 each record says so (``method``). The dense layer has no data-dependent control flow.
 
-*Permutations on v5e.* libtpu's v5e cost model aborts the process on any XLA gather of
-rows (a plain ``x[idx]``; v6e's does not), and the layer permutes tokens by gathers. On
-v5e the two gathers are replaced by contiguous copies of the same bytes (``jnp.repeat``
-of ``x`` ``top_k`` times, and a flip of the rows), and their gradients by the copies' own
-(``permutation: "copy"``); on v6e the layer runs as written (``permutation: "gather"``).
-``--compare-permutations`` estimates both on v6e, which checks the stand-in
-(``permutation_check`` in the file). megablox's own group-table code also contains
-gathers, so megablox cannot be estimated on v5e at all.
+*Permutations.* The layer permutes tokens by two XLA row gathers (a plain ``x[idx]``).
+libtpu's v5e cost model aborts the process on them, and on v6e the compile with the cost
+model's profiling flag fails next to our ``gmm`` (it reserves 127 MiB of VMEM for
+temporaries beside the gather, so the kernel's window no longer fits; the same program
+compiles without the flag). So every layer is estimated with the gathers replaced by
+contiguous copies of the same bytes (``jnp.repeat`` of ``x`` ``top_k`` times, and a flip
+of the rows), and their gradients by the copies' own (``permutation: "copy"``), on both
+generations and for every implementation. ``--permutation gather`` estimates the layer
+as written, and ``--compare-permutations`` estimates both where the gather compiles, which
+checks the stand-in (``permutation_check`` in the file). megablox's own group-table code
+also contains gathers, so megablox cannot be estimated on v5e at all.
 
 *Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
 is stopped above ``--max-rss-gb`` (8). When the full layer does not fit, the program
@@ -149,33 +153,46 @@ def grouped_layer(case, make_grouped):
   return layer
 
 
-def dense_layer(case):
-  """GShard's dense capacity layout: one-hot dispatch / combine tensors and einsums."""
+DENSE_GROUP = 2048  # tokens per capacity group of the dense layer (a sequence's worth, as in MaxText)
+
+
+def dense_layer(case, capacity_factor=CAPACITY, group=DENSE_GROUP):
+  """GShard's dense capacity layout: the tokens in groups of ``group``, each group routed with
+  its own capacity (as GShard and MaxText's dense path do: the one-hot dispatch and combine
+  tensors are ``[groups, group, experts * capacity]``, so their einsums cost ``group / tokens``
+  of one group of all tokens), then einsums for everything."""
   k, e, t = case["top_k"], case["experts"], case["tokens"]
-  cap = moe_mod.expert_capacity(t, e, k, CAPACITY)
+  g = min(group, t)
+  if t % g:
+    raise ValueError(f"tokens {t} is not a multiple of the dense layer's group {g}")
+  cap = moe_mod.expert_capacity(g, e, k, capacity_factor)
 
   def layer(x, rw, w_gate_up, w_down):
-    r = moe_mod.route(x, rw, top_k=k, capacity_factor=CAPACITY)
-    starts = jnp.cumsum(r.group_sizes) - r.group_sizes
-    slot = r.position - starts[r.expert_ids]                               # row within the expert's capacity
-    kept = ~r.dropped
-    onehot = (jax.nn.one_hot(r.expert_ids, e, dtype=x.dtype)[..., None]
-              * jax.nn.one_hot(jnp.where(kept, slot, cap), cap, dtype=x.dtype)[..., None, :])  # [t, k, e, c]
-    dispatch = jnp.sum(onehot, axis=1)                                      # [t, e, c]
-    combine = jnp.einsum("tkec,tk->tec", onehot, r.weights.astype(x.dtype))
-    xe = jnp.einsum("tec,td->ecd", dispatch, x)
+    d, n_groups = x.shape[1], t // g
+    r = jax.vmap(lambda xg: moe_mod.route(xg, rw, top_k=k, capacity_factor=capacity_factor))(x.reshape(n_groups, g, d))
+    starts = jnp.cumsum(r.group_sizes, axis=-1) - r.group_sizes                       # [G, e]
+    slot = r.position - jnp.take_along_axis(starts, r.expert_ids.reshape(n_groups, -1), 1).reshape(r.position.shape)
+    col = jnp.where(r.dropped, e * cap, r.expert_ids * cap + slot)                      # [G, g, k]; e * cap: dropped
+    onehot = jax.nn.one_hot(col, e * cap, dtype=x.dtype)                                # [G, g, k, e * cap]
+    dispatch = jnp.sum(onehot, axis=2)                                                  # [G, g, e * cap]
+    combine = jnp.einsum("Gtkx,Gtk->Gtx", onehot, r.weights.astype(x.dtype))
+    xe = jnp.einsum("Gtx,Gtd->Gxd", dispatch, x.reshape(n_groups, g, d))
+    xe = xe.reshape(n_groups, e, cap, d).transpose(1, 0, 2, 3).reshape(e, n_groups * cap, d)
     h = jnp.einsum("ecd,edf->ecf", xe, w_gate_up)
     f = w_gate_up.shape[2] // 2
     a = (jax.nn.silu(h[..., :f].astype(jnp.float32)) * h[..., f:].astype(jnp.float32)).astype(x.dtype)
     ye = jnp.einsum("ecf,efd->ecd", a, w_down)
-    y = jnp.einsum("tec,ecd->td", combine, ye)
-    return y, r.load_balancing_loss + r.z_loss
+    ye = ye.reshape(e, n_groups, cap, d).transpose(1, 0, 2, 3).reshape(n_groups, e * cap, d)
+    y = jnp.einsum("Gtx,Gxd->Gtd", combine, ye).reshape(t, d)
+    return y, jnp.mean(r.load_balancing_loss + r.z_loss)
   return layer
 
 
+PERMUTATION = "copy"  # --permutation: the stand-ins (see the module docstring), or "gather" as written
+
+
 def permutation(cfg) -> str:
-  """``gather`` (the layer as written) on v6e; ``copy`` stand-ins on v5e, whose cost model aborts on XLA gathers."""
-  return cfg.get("permutation") or ("copy" if cfg["generation"] == "v5e" else "gather")
+  return cfg.get("permutation") or PERMUTATION
 
 
 def _copy_standins():
@@ -331,7 +348,7 @@ def bench(args):
 
 
 def main(argv=None):
-  global TIMEOUT, F_SLICES
+  global TIMEOUT, F_SLICES, PERMUTATION
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("job", choices=("bench", "one"), nargs="?", default="bench")
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
@@ -347,11 +364,13 @@ def main(argv=None):
                   help="go straight to the f/8 and f/4 slices (for programs whose full size exceeded the RAM limit)")
   ap.add_argument("--f-slices", nargs=2, type=int, default=list(F_SLICES),
                   help="the divisors of f of the two slices when the full program does not fit (default 8 4)")
+  ap.add_argument("--permutation", choices=("copy", "gather"), default=PERMUTATION)
   ap.add_argument("--compare-permutations", action="store_true",
                   help="on v6e, also estimate the copy stand-ins of the permutations (permutation_check)")
   args = ap.parse_args(argv)
   TIMEOUT = args.timeout
   F_SLICES = tuple(args.f_slices)
+  PERMUTATION = args.permutation
   if args.job == "one":
     result_tables.print_result(estimate_here, args.config)
   else:
