@@ -142,3 +142,31 @@ def test_dense_capacity_layer_drops_per_group():
   kept = np.asarray(jnp.any(y != 0, axis=1)).reshape(t // group, group).sum(axis=1)
   cap = int(np.ceil(1.25 * group * k / e))
   np.testing.assert_array_equal(kept, [cap] * (t // group))
+
+
+def test_split_layer_halves_compose_to_the_whole_layer(monkeypatch):
+  """tools/bench_moe.py --split estimates a grouped layer as its routing half plus its experts
+  half: the halves' values and gradients, chained, are the whole layer's."""
+  bm = _load_bench_moe()
+  monkeypatch.setitem(bm.CASES, "tiny", dict(tokens=32, d=16, f=8, experts=4, top_k=2))
+  monkeypatch.setattr(bm, "_grouped", lambda cfg, gs: lambda sizes: lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes))
+  cfg = dict(generation="v6e", case="tiny", groups="balanced", impl="ours", mode="fwdbwd", permutation="gather")
+  keys = jax.random.split(jax.random.key(1), 5)
+  x = jax.random.normal(keys[0], (32, 16), jnp.float32)
+  rw = jax.random.normal(keys[1], (16, 4), jnp.float32)
+  wgu = jax.random.normal(keys[2], (4, 16, 16), jnp.float32) / 4
+  wd = jax.random.normal(keys[3], (4, 8, 16), jnp.float32) / 3
+  dy = jax.random.normal(keys[4], (32, 16), jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    whole_fn, _ = bm.program(cfg)
+    value, (dx, drw, dwgu, dwd) = whole_fn(x, rw, wgu, wd, dy)
+    routing_fn, _ = bm.program(dict(cfg, part="routing"))
+    experts_fn, _ = bm.program(dict(cfg, part="experts"))
+    r = bm.moe_mod.route(x, rw, top_k=2)
+    e_value, (edx, dweights, ewgu, ewd) = experts_fn(x, r, wgu, wd, dy)
+    (r_value, _), (rdx, rdrw) = routing_fn(x, rw, dweights)
+  aux = r.load_balancing_loss + r.z_loss
+  np.testing.assert_allclose(e_value + aux, value, rtol=1e-5)
+  np.testing.assert_allclose(r_value, jnp.sum(r.weights * dweights) + aux, rtol=1e-5)
+  for got, want in ((edx + rdx, dx), (rdrw, drw), (ewgu, dwgu), (ewd, dwd)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)

@@ -55,6 +55,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import datetime
 import json
@@ -134,12 +135,13 @@ def _megablox_gmm(tiling):
   return grouped
 
 
-def _ours_gmm(static_sizes):
-  from kernels.gmm import gmm_static_groups
+def _ours_gmm(static_sizes, blocks=None):
+  from kernels.gmm import GmmBlockSizes, gmm_static_groups
+  bs = GmmBlockSizes(*blocks) if blocks else None
 
   def grouped(gs):
     del gs  # the cost model sees the case's sizes as constants (see the module docstring)
-    return lambda lhs, rhs: gmm_static_groups(lhs, rhs, static_sizes)
+    return lambda lhs, rhs: gmm_static_groups(lhs, rhs, static_sizes, block_sizes=bs)
   return grouped
 
 
@@ -201,20 +203,66 @@ def _copy_standins():
   moe_mod._unpermute = lambda ys, order, position: jnp.flip(ys, axis=0)                 # reads and writes N rows
 
 
+def _grouped(cfg, gs):
+  impl = cfg["impl"]
+  if impl == "ours":
+    return _ours_gmm(gs, cfg.get("blocks"))
+  return _megablox_gmm((128, 128, 128) if impl == "megablox" else MEGABLOX_LARGE)
+
+
+PARTS = ("routing", "experts")
+
+
+def part_program(cfg):
+  """One of the two halves of a grouped layer (``cfg["part"]``), forward or forward + backward:
+  ``routing`` (:func:`kernels.moe.route`: router matmul, softmax, top-k, sort; its backward
+  from the combine weights' and the losses' cotangents) and ``experts`` (the layer after
+  routing, with the routing as inputs; its backward to ``x``, the combine weights and both
+  weights). A TPU runs a program's ops one after another, so the two estimates add up to
+  the layer's, apart from the routing outputs' one extra HBM round trip."""
+  case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  if permutation(cfg) == "copy":
+    _copy_standins()
+  k = case["top_k"]
+  t, d, e, f = case["tokens"], case["d"], case["experts"], case["f"]
+  sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  x, rw = sds((t, d), bf16), sds((d, e), jnp.float32)
+  route = lambda x, rw: moe_mod.route(x, rw, top_k=k)  # noqa: E731
+  if cfg["part"] == "routing":
+    if cfg["mode"] == "fwd":
+      return route, [x, rw]
+
+    def routing_fb(x, rw, dweights):
+      def loss(x, rw):
+        r = route(x, rw)
+        return jnp.sum(r.weights * dweights) + r.load_balancing_loss + r.z_loss, r
+      return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, rw)
+    return routing_fb, [x, rw, sds((t, k), jnp.float32)]
+  r = jax.eval_shape(route, x, rw)
+  grouped = _grouped(cfg, group_sizes(case, cfg["groups"]))
+  w = [sds((e, d, 2 * f), bf16), sds((e, f, d), bf16)]
+
+  def experts(x, r, wgu, wd):
+    return moe_mod._expert_layer(x, r, wgu, wd, "silu", grouped(r.group_sizes))
+  if cfg["mode"] == "fwd":
+    return experts, [x, r, *w]
+
+  def experts_fb(x, r, wgu, wd, dy):
+    def loss(x, weights, wgu, wd):
+      y = experts(x, dataclasses.replace(r, weights=weights), wgu, wd)
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, r.weights, wgu, wd)
+  return experts_fb, [x, r, *w, sds((t, d), bf16)]
+
+
 def program(cfg):
+  if cfg.get("part"):
+    return part_program(cfg)
   case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
   if permutation(cfg) == "copy":
     _copy_standins()
   gs = group_sizes(case, cfg["groups"])
-  impl = cfg["impl"]
-  if impl == "ours":
-    layer = grouped_layer(case, _ours_gmm(gs))
-  elif impl == "megablox":
-    layer = grouped_layer(case, _megablox_gmm((128, 128, 128)))
-  elif impl == "megablox_large":
-    layer = grouped_layer(case, _megablox_gmm(MEGABLOX_LARGE))
-  else:
-    layer = dense_layer(case)
+  layer = dense_layer(case) if cfg["impl"] == "dense" else grouped_layer(case, _grouped(cfg, gs))
   t, d, e, f = case["tokens"], case["d"], case["experts"], case["f"]
   sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
   args = [sds((t, d), bf16), sds((d, e), jnp.float32), sds((e, d, 2 * f), bf16), sds((e, f, d), bf16)]
@@ -230,11 +278,33 @@ def program(cfg):
 def estimate_here(cfg) -> dict:
   fn, args = program(cfg)
   case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
-  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]),
-                           bytes_accessed=bytes_needed(case, cfg["mode"]))
+  whole = not cfg.get("part")
+  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
+                           bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
   r = e.record()
   r.update(compile_seconds=round(e.compile_seconds, 1))
   return r
+
+
+def estimate_split(cfg, max_rss_gb) -> dict:
+  """The layer as the sum of its two halves' floored estimates (see :func:`part_program`)."""
+  parts = {p: estimate_isolated(dict(cfg, part=p), max_rss_gb) for p in PARTS}
+  if not all("us" in r for r in parts.values()):
+    return {"error": "split: " + "; ".join(f"{p}: {r.get('error', 'ok')}" for p, r in parts.items()), "parts": parts}
+  out = {key: round(sum(r[key] for r in parts.values()), 3) for key in ("us", "model_us", "floor_us")}
+  out["hbm_bytes"] = sum(r["hbm_bytes"] for r in parts.values())
+  out["valid"] = all(r.get("valid", True) for r in parts.values())
+  unmodeled = [u for r in parts.values() for u in r.get("unmodeled", [])]
+  if unmodeled:
+    out["unmodeled"] = unmodeled
+  case = CASES[cfg["case"]]
+  rl = kernels.roofline_of(flops(case, cfg["mode"]), bytes_needed(case, cfg["mode"]),
+                           kernels.get_chip(cfg["generation"]), "bfloat16")
+  out["fraction_of_roofline"] = round(rl.seconds / (out["us"] * 1e-6), 4)
+  out["valid"] = out["valid"] and out["fraction_of_roofline"] <= 1.0
+  out["split"] = "sum of the routing and experts halves, each estimated whole"
+  out["parts"] = parts
+  return out
 
 
 def estimate_isolated(cfg, max_rss_gb) -> dict:
@@ -268,14 +338,15 @@ F_SLICES = (8, 4)  # --f-slices: the divisors of f of the two slices
 
 def estimate(cfg, max_rss_gb, skip_full=False) -> dict:
   """The full program, else linear in ``f`` from two slices ``f / F_SLICES[i]`` (``skip_full``: the slices only)."""
+  one = estimate_split if cfg.get("split") else estimate_isolated
   r = ({"error": "the full program was not attempted (--skip-full: it had exceeded the RAM limit before)"}
-       if skip_full else estimate_isolated(cfg, max_rss_gb))
+       if skip_full else one(cfg, max_rss_gb))
   if "us" in r or not (skip_full or "RAM" in r.get("error", "")):
     return r
   f = CASES[cfg["case"]]["f"]
   s1, s2 = F_SLICES
   assert f % s1 == 0 and f % s2 == 0 and s1 > s2, F_SLICES
-  parts = [estimate_isolated(dict(cfg, f=f // s), max_rss_gb) for s in (s1, s2)]
+  parts = [one(dict(cfg, f=f // s), max_rss_gb) for s in (s1, s2)]
   if not all("us" in p for p in parts):
     return {"error": f"full size: {r['error']}; slices: " + "; ".join(p.get("error", "ok") for p in parts)}
   out = {"scaled": f"linear in f from f/{s1} and f/{s2} (" + ("the full program was not attempted: it had exceeded "
@@ -307,7 +378,7 @@ def bench(args):
       "description": (
           "The whole SwiGLU MoE layer (bf16; router f32) forward and forward+backward, built three ways on the same "
           "routing code: ours (kernels.gmm), megablox gmm (default tiling 128x128x128; and 512x1024x1024 clipped, "
-          "'megablox_large'), and GShard's dense capacity einsum (capacity factor 1.25). Compiler estimates (libtpu's "
+          "'megablox_large'), and GShard's dense capacity einsum (capacity factor 1.25, tokens in groups of 2048). Compiler estimates (libtpu's "
           "static cost model), not measurements: us is the floored estimate (never less than the program's counted "
           "HBM bytes at the published bandwidth). Each record's 'method' says what group sizes the cost model saw. "
           "fraction_of_roofline: the FLOPs actually needed (2 * tokens * top_k * d * 3f, x3 with the backward) and "
@@ -328,12 +399,18 @@ def bench(args):
               continue
             cfg = dict(generation=gen, case=case, groups=groups, impl=impl, mode=mode)
             cfg["permutation"] = permutation(cfg)
+            if impl == "ours" and args.ours_blocks:
+              cfg["blocks"] = list(args.ours_blocks)
             t0 = time.time()
             if gen == "v5e" and impl.startswith("megablox"):
               r = {"error": V5E_MEGABLOX}
             else:
+              if args.split and impl != "dense":
+                cfg["split"] = True
               r = estimate(cfg, args.max_rss_gb, args.skip_full)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
+            if cfg.get("blocks"):
+              r["method"] += f"; blocks {tuple(cfg['blocks'])}, not the defaults"
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
             result_tables.save(table, OUT)
@@ -365,6 +442,10 @@ def main(argv=None):
   ap.add_argument("--f-slices", nargs=2, type=int, default=list(F_SLICES),
                   help="the divisors of f of the two slices when the full program does not fit (default 8 4)")
   ap.add_argument("--permutation", choices=("copy", "gather"), default=PERMUTATION)
+  ap.add_argument("--split", action="store_true",
+                  help="estimate a grouped layer as the sum of its routing and experts halves (estimate_split)")
+  ap.add_argument("--ours-blocks", nargs=3, type=int, metavar=("TM", "TK", "TN"),
+                  help="ours with these gmm/tgmm blocks instead of the per-generation defaults (said in 'method')")
   ap.add_argument("--compare-permutations", action="store_true",
                   help="on v6e, also estimate the copy stand-ins of the permutations (permutation_check)")
   args = ap.parse_args(argv)
