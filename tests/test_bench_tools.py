@@ -7,6 +7,7 @@ runs. These tests check that the replaced kernel computes exactly what splash co
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -163,7 +164,8 @@ def test_split_layer_halves_compose_to_the_whole_layer(monkeypatch):
     routing_fn, _ = bm.program(dict(cfg, part="routing"))
     experts_fn, _ = bm.program(dict(cfg, part="experts"))
     r = bm.moe_mod.route(x, rw, top_k=2)
-    e_value, (edx, dweights, ewgu, ewd) = experts_fn(x, r, wgu, wd, dy)
+    r_arrays = tuple(getattr(r, fl.name) for fl in dataclasses.fields(r))
+    e_value, (edx, dweights, ewgu, ewd) = experts_fn(x, r_arrays, wgu, wd, dy)
     (r_value, _), (rdx, rdrw) = routing_fn(x, rw, dweights)
   aux = r.load_balancing_loss + r.z_loss
   np.testing.assert_allclose(e_value + aux, value, rtol=1e-5)

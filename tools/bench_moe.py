@@ -96,6 +96,12 @@ V5E_MEGABLOX = ("not estimated: libtpu's v5e cost model aborts the process on me
 TIMEOUT = 1800
 
 
+def _case(cfg) -> dict:
+  """The case's sizes, with a slice's ``f`` or ``tokens`` (see :func:`estimate`)."""
+  c = CASES[cfg["case"]]
+  return dict(c, f=cfg.get("f", c["f"]), tokens=cfg.get("tokens", c["tokens"]))
+
+
 def group_sizes(case: dict, groups: str) -> np.ndarray:
   n, e = case["tokens"] * case["top_k"], case["experts"]
   if groups == "balanced":
@@ -220,7 +226,7 @@ def part_program(cfg):
   routing, with the routing as inputs; its backward to ``x``, the combine weights and both
   weights). A TPU runs a program's ops one after another, so the two estimates add up to
   the layer's, apart from the routing outputs' one extra HBM round trip."""
-  case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  case = _case(cfg)
   if permutation(cfg) == "copy":
     _copy_standins()
   k = case["top_k"]
@@ -238,27 +244,32 @@ def part_program(cfg):
         return jnp.sum(r.weights * dweights) + r.load_balancing_loss + r.z_loss, r
       return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, rw)
     return routing_fb, [x, rw, sds((t, k), jnp.float32)]
+  # The routing goes in as a tuple of its arrays (the estimator exports programs, and a
+  # Routing is not a serializable pytree).
+  fields = [fl.name for fl in dataclasses.fields(moe_mod.Routing)]
   r = jax.eval_shape(route, x, rw)
+  r_in = tuple(getattr(r, name) for name in fields)
   grouped = _grouped(cfg, group_sizes(case, cfg["groups"]))
   w = [sds((e, d, 2 * f), bf16), sds((e, f, d), bf16)]
 
-  def experts(x, r, wgu, wd):
+  def experts(x, r_arrays, wgu, wd, **replace):
+    r = moe_mod.Routing(**dict(zip(fields, r_arrays), **replace))
     return moe_mod._expert_layer(x, r, wgu, wd, "silu", grouped(r.group_sizes))
   if cfg["mode"] == "fwd":
-    return experts, [x, r, *w]
+    return experts, [x, r_in, *w]
 
-  def experts_fb(x, r, wgu, wd, dy):
+  def experts_fb(x, r_arrays, wgu, wd, dy):
     def loss(x, weights, wgu, wd):
-      y = experts(x, dataclasses.replace(r, weights=weights), wgu, wd)
+      y = experts(x, r_arrays, wgu, wd, weights=weights)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, r.weights, wgu, wd)
-  return experts_fb, [x, r, *w, sds((t, d), bf16)]
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, r_arrays[fields.index("weights")], wgu, wd)
+  return experts_fb, [x, r_in, *w, sds((t, d), bf16)]
 
 
 def program(cfg):
   if cfg.get("part"):
     return part_program(cfg)
-  case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  case = _case(cfg)
   if permutation(cfg) == "copy":
     _copy_standins()
   gs = group_sizes(case, cfg["groups"])
@@ -277,7 +288,7 @@ def program(cfg):
 
 def estimate_here(cfg) -> dict:
   fn, args = program(cfg)
-  case = dict(CASES[cfg["case"]], f=cfg.get("f", CASES[cfg["case"]]["f"]))
+  case = _case(cfg)
   whole = not cfg.get("part")
   e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
                            bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
@@ -334,28 +345,37 @@ def estimate_isolated(cfg, max_rss_gb) -> dict:
 
 
 F_SLICES = (8, 4)  # --f-slices: the divisors of f of the two slices
+SLICE_DIM = "f"    # --slice-dim: "f", or "tokens" (for the dense layer, whose one-hot tensors do not shrink with f)
 
 
 def estimate(cfg, max_rss_gb, skip_full=False) -> dict:
-  """The full program, else linear in ``f`` from two slices ``f / F_SLICES[i]`` (``skip_full``: the slices only)."""
+  """The full program, else linear in ``SLICE_DIM`` (``f``, or ``tokens``) from two slices of it,
+  ``1 / F_SLICES[i]`` of the full size (``skip_full``: the slices only). Every cost is linear
+  in ``f``; in ``tokens`` every cost but the weights' bytes is linear (routing's sort aside,
+  and the dense layer's capacity groups are whole at these slices), and the weights' bytes
+  are the line's intercept."""
   one = estimate_split if cfg.get("split") else estimate_isolated
   r = ({"error": "the full program was not attempted (--skip-full: it had exceeded the RAM limit before)"}
        if skip_full else one(cfg, max_rss_gb))
   if "us" in r or not (skip_full or "RAM" in r.get("error", "")):
     return r
-  f = CASES[cfg["case"]]["f"]
+  dim = SLICE_DIM
+  full = CASES[cfg["case"]][dim]
   s1, s2 = F_SLICES
-  assert f % s1 == 0 and f % s2 == 0 and s1 > s2, F_SLICES
-  parts = [one(dict(cfg, f=f // s), max_rss_gb) for s in (s1, s2)]
+  assert full % s1 == 0 and full % s2 == 0 and s1 > s2, F_SLICES
+  if dim == "tokens" and cfg["impl"] == "dense":
+    assert (full // s1) % DENSE_GROUP == 0, "a tokens slice must hold whole capacity groups"
+  x1, x2 = full // s1, full // s2
+  parts = [one(dict(cfg, **{dim: x}), max_rss_gb) for x in (x1, x2)]
   if not all("us" in p for p in parts):
     return {"error": f"full size: {r['error']}; slices: " + "; ".join(p.get("error", "ok") for p in parts)}
-  out = {"scaled": f"linear in f from f/{s1} and f/{s2} (" + ("the full program was not attempted: it had exceeded "
-                    "the RAM limit before" if skip_full else "the full program exceeded the RAM limit") + ")",
-         "slices": {f"f={f // s}": p for s, p in zip((s1, s2), parts)}}
+  out = {"scaled": f"linear in {dim} from {dim}/{s1} and {dim}/{s2} (" + (
+             "the full program was not attempted: it had exceeded the RAM limit before" if skip_full
+             else "the full program exceeded the RAM limit") + ")",
+         "slices": {f"{dim}={x}": p for x, p in zip((x1, x2), parts)}}
   for key in ("us", "model_us", "floor_us", "hbm_bytes"):
-    a, b = parts[0][key], parts[1][key]          # at f1 = f/s1 and f2 = f/s2: the line through them, at f
-    f1, f2 = f // s1, f // s2
-    out[key] = round(a + (b - a) * (f - f1) / (f2 - f1), 3)
+    a, b = parts[0][key], parts[1][key]          # the line through the two slices, at the full size
+    out[key] = round(a + (b - a) * (full - x1) / (x2 - x1), 3)
   out["floored"] = out["floor_us"] >= out["model_us"]
   out["valid"] = all(p.get("valid", False) for p in parts)
   case = CASES[cfg["case"]]
@@ -395,6 +415,15 @@ def bench(args):
         for impl in args.impls:
           for mode in args.modes:
             key = f"{gen}/{case}/{groups}/{impl}/{mode}"
+            if args.split_check:  # the split against a stored whole-layer estimate
+              whole = results.get(key, {})
+              if "us" in whole and not whole.get("split") and impl != "dense":
+                c = estimate_split(dict(whole, split=True), args.max_rss_gb)
+                table.setdefault("split_check", {})[key] = {"whole_us": whole["us"], "split_us": c.get("us"),
+                                                            "error": c.get("error")}
+                print(key, "whole", whole["us"], "split", c.get("us"), c.get("error", ""), flush=True)
+                result_tables.save(table, OUT)
+              continue
             if key in results and "us" in results[key] and not args.force:
               continue
             cfg = dict(generation=gen, case=case, groups=groups, impl=impl, mode=mode)
@@ -425,7 +454,7 @@ def bench(args):
 
 
 def main(argv=None):
-  global TIMEOUT, F_SLICES, PERMUTATION
+  global TIMEOUT, F_SLICES, PERMUTATION, SLICE_DIM
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("job", choices=("bench", "one"), nargs="?", default="bench")
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
@@ -439,9 +468,12 @@ def main(argv=None):
   ap.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per estimate")
   ap.add_argument("--skip-full", action="store_true",
                   help="go straight to the f/8 and f/4 slices (for programs whose full size exceeded the RAM limit)")
+  ap.add_argument("--slice-dim", choices=("f", "tokens"), default=SLICE_DIM)
   ap.add_argument("--f-slices", nargs=2, type=int, default=list(F_SLICES),
                   help="the divisors of f of the two slices when the full program does not fit (default 8 4)")
   ap.add_argument("--permutation", choices=("copy", "gather"), default=PERMUTATION)
+  ap.add_argument("--split-check", action="store_true",
+                  help="estimate the split of each stored whole-layer record and keep both (split_check)")
   ap.add_argument("--split", action="store_true",
                   help="estimate a grouped layer as the sum of its routing and experts halves (estimate_split)")
   ap.add_argument("--ours-blocks", nargs=3, type=int, metavar=("TM", "TK", "TN"),
@@ -452,6 +484,7 @@ def main(argv=None):
   TIMEOUT = args.timeout
   F_SLICES = tuple(args.f_slices)
   PERMUTATION = args.permutation
+  SLICE_DIM = args.slice_dim
   if args.job == "one":
     result_tables.print_result(estimate_here, args.config)
   else:
