@@ -1,8 +1,10 @@
-"""The benchmark tools' own machinery: splash's block tables written as arithmetic.
+"""The benchmark tools' own machinery: splash's block tables written as arithmetic, and the MoE layer's baselines.
 
 ``tools/bench_attention.py`` replaces splash's table lookups by formulas so that libtpu's
 cost model (which reads SMEM-prefetched scalars as 0) charges the blocks splash really
 runs. These tests check that the replaced kernel computes exactly what splash computes.
+``tools/bench_moe.py`` builds the MoE layer's dense baseline and splits a layer in two for
+the cost model; these tests check that both compute the layer.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ sa = pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
 sk = sys.modules["jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel"]
 
 
-def _load_bench():
+def _load_tool(name: str):
+  """``tools/<name>.py`` as a module (the tools import their siblings from ``tools/``)."""
   sys.path.insert(0, str(ROOT / "tools"))
-  spec = importlib.util.spec_from_file_location("tools_bench_attention", ROOT / "tools" / "bench_attention.py")
+  spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-bench = _load_bench()
+bench = _load_tool("bench_attention")
 
 
 def _splash(mask, bq, bkv, bwd):
@@ -103,19 +106,11 @@ def test_stored_unaligned_matmul_records_match_the_current_default_plan():
   assert checked >= len(bm.UNALIGNED)
 
 
-def _load_bench_moe():
-  sys.path.insert(0, str(ROOT / "tools"))
-  spec = importlib.util.spec_from_file_location("tools_bench_moe", ROOT / "tools" / "bench_moe.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.parametrize("group", [16, 64])
 def test_dense_capacity_layer_is_the_moe_layer_when_nothing_drops(group):
   """The dense baseline of tools/bench_moe.py computes the same layer: with a capacity that
   drops nothing (capacity factor = experts), in f32, it equals kernels.moe_reference."""
-  bm = _load_bench_moe()
+  bm = _load_tool("bench_moe")
   from kernels.moe import moe_reference
   t, d, e, f, k = 64, 32, 4, 16, 2
   keys = jax.random.split(jax.random.key(0), 4)
@@ -133,7 +128,7 @@ def test_dense_capacity_layer_is_the_moe_layer_when_nothing_drops(group):
 def test_dense_capacity_layer_drops_per_group():
   """At capacity factor 1.25 a group's overflow is dropped: tokens all routed to one expert
   keep only that expert's capacity per group."""
-  bm = _load_bench_moe()
+  bm = _load_tool("bench_moe")
   t, d, e, f, k, group = 64, 8, 4, 8, 1, 16
   x = jnp.ones((t, d), jnp.float32)
   rw = jnp.zeros((d, e), jnp.float32).at[:, 0].set(1.0)  # every token picks expert 0
@@ -148,7 +143,7 @@ def test_dense_capacity_layer_drops_per_group():
 def test_split_layer_halves_compose_to_the_whole_layer(monkeypatch):
   """tools/bench_moe.py --split estimates a grouped layer as its routing half plus its experts
   half: the halves' values and gradients, chained, are the whole layer's."""
-  bm = _load_bench_moe()
+  bm = _load_tool("bench_moe")
   monkeypatch.setitem(bm.CASES, "tiny", dict(tokens=32, d=16, f=8, experts=4, top_k=2))
   monkeypatch.setattr(bm, "_grouped", lambda cfg, gs: lambda sizes: lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes))
   cfg = dict(generation="v6e", case="tiny", groups="balanced", impl="ours", mode="fwdbwd", permutation="gather")
