@@ -113,7 +113,7 @@ def group_sizes(case, groups: str) -> np.ndarray:
 def flops(case, mode: str, n: int | None = None) -> float:
   c = _c(case)
   f = 2.0 * c["rows"] * c["k"] * (n or c["n"])
-  return f if mode == "fwd" else 3 * f
+  return {"fwd": 1, "bwd": 2, "fwdbwd": 3}[mode] * f
 
 
 def bytes_needed(case: str, mode: str, n: int | None = None) -> float:
@@ -122,6 +122,8 @@ def bytes_needed(case: str, mode: str, n: int | None = None) -> float:
   c = _c(case)
   n = n or c["n"]
   lhs, rhs, out = c["rows"] * c["k"], c["experts"] * c["k"] * n, c["rows"] * n
+  if mode == "bwd":  # lhs, rhs, dout read; dlhs, drhs written
+    return 2.0 * (2 * (lhs + rhs) + out)
   return 2.0 * ((lhs + rhs + out) if mode == "fwd" else 2 * (lhs + rhs + out))
 
 
@@ -172,7 +174,10 @@ def _program(cfg):
   def fwdbwd(a, b, dy):
     out, vjp = jax.vjp(fwd, a, b)
     return out, vjp(dy)
-  return fwdbwd, (lhs, rhs, dout)
+
+  def bwd(a, b, dy):  # the backward alone: the forward's output is unused, so XLA drops it
+    return jax.vjp(fwd, a, b)[1](dy)
+  return (bwd if cfg["mode"] == "bwd" else fwdbwd), (lhs, rhs, dout)
 
 
 def method(impl: str) -> str:
@@ -386,6 +391,31 @@ BENCH = [  # (case, groups, impl, mode), the most needed first
 ]
 
 
+def split_fwdbwd(cfg, results) -> dict:
+  """Forward + backward as the stored forward record plus the backward alone (the whole
+  program's profiled compile can fail on VMEM where each half compiles; a TPU runs the two
+  one after the other, so the estimates add up: ``--split-check`` compares with a whole one)."""
+  fwd_key = "/".join([cfg["generation"], cfg["case"], cfg["groups"], cfg["impl"], "fwd"])
+  fwd = results.get(fwd_key, {})
+  if "us" not in fwd:
+    return {"error": f"split: no stored forward estimate ({fwd_key})"}
+  bwd = estimate_isolated(dict(cfg, mode="bwd"))
+  if "us" not in bwd:
+    return {"error": f"split: the backward alone: {bwd.get('error')}"}
+  out = {key: round(fwd[key] + bwd[key], 3) for key in ("us", "model_us", "floor_us")}  # (slices come scaled)
+
+  def hbm(r):
+    return r["hbm_bytes"] if "hbm_bytes" in r else r["slice"]["hbm_bytes"] * r["scaled_by"]
+  out["hbm_bytes"] = int(hbm(fwd) + hbm(bwd))
+  out["valid"] = bool(fwd.get("valid", True) and bwd.get("valid", True))
+  chip = kernels.get_chip(cfg["generation"])
+  rl = kernels.roofline_of(flops(cfg["case"], "fwdbwd"), bytes_needed(cfg["case"], "fwdbwd"), chip, "bfloat16")
+  out["fraction_of_roofline"] = round(rl.seconds / (out["us"] * 1e-6), 4)
+  out["split"] = f"the stored forward ({fwd_key}) plus the backward alone, each estimated on its own"
+  out["parts"] = {"fwd": fwd_key, "bwd": bwd}
+  return out
+
+
 def bench(args):
   table = result_tables.load(BENCH_OUT) or _header("")
   table["description"] = __doc__.split("Each estimate runs")[0].strip()
@@ -402,10 +432,22 @@ def bench(args):
         print("stopping: --stop-at reached", flush=True)
         return
       key = f"{gen}/{case}/{groups}/{impl}/{mode}"
-      if key in results and "us" in results[key] and not args.force:
+      if key in results and "us" in results[key] and not (args.force or args.split_check):
         continue
       cfg = dict(generation=gen, impl=impl, case=case, groups=groups, mode=mode)
-      r = estimate_isolated(cfg)
+      if args.split_fwdbwd and mode == "fwdbwd":
+        r = split_fwdbwd(cfg, results)
+        whole = results.get(key, {})
+        if args.split_check and "us" in whole:  # beside the stored whole estimate, not instead of it
+          table.setdefault("split_check", {})[key] = {"whole_us": whole["us"], "split_us": r.get("us"),
+                                                      "error": r.get("error")}
+          print(key, "whole", whole["us"], "split", r.get("us"), r.get("error", ""), flush=True)
+          result_tables.save(table, BENCH_OUT)
+          continue
+        if "us" not in r and "error" in whole:
+          r["whole_error"] = whole["error"]
+      else:
+        r = estimate_isolated(cfg)
       r.update(cfg, method=method(impl))
       if impl.startswith("ours"):
         r["kernel"] = KERNEL_VERSION
@@ -429,6 +471,10 @@ def main(argv=None):
   ap.add_argument("--modes", nargs="*", default=None, help="(bench) fwd and/or fwdbwd")
   ap.add_argument("--kernels", nargs="*", default=["gmm", "tgmm"], help="(tune) which kernels to tune")
   ap.add_argument("--force", action="store_true")
+  ap.add_argument("--split-fwdbwd", action="store_true",
+                  help="(bench) forward + backward as the stored forward plus the backward alone (split_fwdbwd)")
+  ap.add_argument("--split-check", action="store_true",
+                  help="(bench, with --split-fwdbwd) store the split beside the whole estimate (split_check)")
   ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
   ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop an estimate above this much RAM")
   ap.add_argument("--timeout", type=float, default=None, help="stop an estimate after this many seconds")
