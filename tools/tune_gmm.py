@@ -132,7 +132,7 @@ def capacity(case) -> int:
   return int(math.ceil(CAPACITY * c["rows"] / c["experts"] / 8) * 8)
 
 
-FALLBACK_N = {"fwd": 2048, "fwdbwd": 1024}  # E8's slice of n when the full program needs too much memory
+FALLBACK_N = {"fwd": 2048, "fwdbwd": 1024, "bwd": 1024}  # E8's slice of n when the full program needs too much memory
 
 
 def _n(cfg) -> int:
