@@ -432,7 +432,7 @@ def bench(args):
         print("stopping: --stop-at reached", flush=True)
         return
       key = f"{gen}/{case}/{groups}/{impl}/{mode}"
-      if key in results and "us" in results[key] and not (args.force or args.split_check):
+      if key in results and "us" in results[key] and not (args.force or (args.split_check and args.split_fwdbwd)):
         continue
       cfg = dict(generation=gen, impl=impl, case=case, groups=groups, mode=mode)
       if args.split_fwdbwd and mode == "fwdbwd":
