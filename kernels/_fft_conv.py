@@ -9,24 +9,26 @@ read once per channel block.
 ``b + B/2`` of one channel ride as ``z = u_lo + i u_hi``: ``ifft(fft(z) * K)`` is
 ``(u_lo * k) + i (u_hi * k)`` because ``K = fft(k)`` belongs to a real filter.
 
-*No transposes, no digit reversal.* With ``n = 128 a + b`` (a row viewed as ``[S, 128]``, ``a``
-on sublanes) and ``k = k2 + S k1``, the forward transform is ``F_S`` down the sublanes (a
-left matmul), the twiddle ``W_N^(b k2)`` on the VPU and ``F_128`` across the lanes (a right
-matmul, ``M`` = every row of the block). That leaves the spectrum as ``Z[k2, k1]``: not the
-natural order, which a standalone FFT must restore with a transpose per row. A convolution
-never needs the natural order: the filter's spectrum is made by the same steps, so it is in
-the same order, and the inverse undoes the steps in reverse (``conj F_128`` on the right,
-the conjugate twiddle, ``conj F_S`` on the left), which lands ``y`` back in natural order.
+*No transposes, no digit reversal.* With ``n = 128 a + b`` (column chunk ``a`` of a row, lane
+``b``) and ``k = k2 + S k1``, the forward transform is an ``S``-point FFT across the block's
+column chunks on the VPU (each chunk ``[rows, 128]`` is whole vregs, so its butterflies move
+no data: :func:`kernels.fft._vpu_fft`), the twiddle ``W_N^(b k2)`` and ``F_128`` across the
+lanes (a right matmul whose M dimension is every ``(k2, row)`` of the block). That leaves
+the spectrum as ``Z[k2, row, k1]``: not the natural order, which a standalone FFT must
+restore with a transpose. A convolution never needs the natural order: the filter's
+spectrum is made by the same steps, so it is in the same order, and the inverse undoes the
+steps in reverse (``conj F_128`` on the right, the conjugate twiddle, the inverse FFT across
+chunks), which lands each output chunk of ``y`` in place.
 
 *Row width.* ``L = 128`` lanes, or 256 on v6e (:func:`lane_width`): the ``F_L`` matmul's
 weight is ``L x L``, and only ``L = 256`` fills v6e's 256 x 256 MXU. (libtpu's cost model
 charges the two widths alike on v6e; the padded MXU count halves.) Elsewhere here 128 stands for ``L``.
 
 *Zero padding is free.* A causal convolution is a circular one of length ``n = 2 seq`` with
-both signals zero in their second half, and only the first half of the result is kept. In
-the ``[S, 128]`` view the zeros are the last ``S/2`` sublane rows, so the first left matmul
-uses only the first ``S/2`` columns of ``F_S`` and the last one computes only the first
-``S/2`` rows: those two matmuls do half the work, and the zeros are never stored.
+both signals zero in their second half, and only the first half of the result is kept. The
+zero chunks enter the butterflies as ``None``, which the first radix steps skip, and the
+inverse computes only the first ``S/2`` output chunks: the zeros are never stored or
+multiplied.
 
 *The filter's spectrum* is computed in the kernel too, at the first batch step of each
 channel block (the batch is the inner, sequential grid axis), and kept in VMEM scratch for
@@ -42,7 +44,7 @@ transforms ``dy`` once per step, inverts ``DY conj K`` into ``du``, and accumula
 into ``dk``: two transforms per batch pair (three without the saved ``U``, four with two
 separate kernels). With packed rows the real part of that last inverse is exactly
 ``corr(dy_lo, u_lo) + corr(dy_hi, u_hi)``; the cross terms land in the imaginary part,
-which is never formed.
+which is dropped.
 
 Matmul precision, the Gauss three-product complex matmul and the bf16 splits are those of
 :mod:`kernels.fft`.
@@ -60,10 +62,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import target_chip
-from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul_mat, _dot, _gauss, _phase, _split
+from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul, _cmul_mat, _gauss, _phase, _split, _vpu_fft, vpu_factors
 from kernels.hardware import get_chip
 
-MAX_ROWS = 8  # channels per grid step: the per-row left matmuls are unrolled
+MAX_ROWS = 8  # channels per grid step: a chunk of 8 rows is one vreg tall
 
 
 def supported(t: int, causal: bool, chip=None) -> bool:
@@ -71,46 +73,35 @@ def supported(t: int, causal: bool, chip=None) -> bool:
   transform calls): ``t`` a multiple of 128, a two-stage padded length, and ``MAX_ROWS`` channels'
   blocks and temporaries within VMEM."""
   n = 2 * t if causal else t
-  if not (t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX):
+  if not (t % LANES == 0 and DENSE_MAX < n <= TWO_STAGE_MAX) or vpu_factors(n // lane_width(t, chip)) is None:
     return False
   return MAX_ROWS * _per_row(n, t, 4, 6) <= _budget(chip)
 
 
 def lane_width(t: int, chip=None) -> int:
-  """The width ``L`` of a row's ``[S, L]`` view: the MXU's side (256 on v6e) when it divides
-  ``seq`` and leaves at least 8 data rows, else 128. The second matmul of each transform
-  is ``[rows * S, L] x [L, L]``, so a 256-wide MXU is filled only when ``L`` is 256."""
+  """The width ``L`` of a column chunk: the MXU's side (256 on v6e) when it divides ``seq`` and
+  leaves at least 8 data chunks, else 128. The matmul of each transform is
+  ``[S * rows, L] x [L, L]``, so a 256-wide MXU is filled only when ``L`` is 256."""
   side = get_chip(chip or "v5e").mxu_shape[0]
   return side if side > LANES and t % side == 0 and t // side >= 8 else LANES
 
 
 @functools.lru_cache(maxsize=32)
-def _matrices(n: int, h: int, width: int, precision: str) -> tuple:
-  """The kernel's constant inputs for transform length ``n`` viewed as ``[S, L]`` (``L = width``)
-  whose signals fill the first ``h`` of the ``S`` sublane rows: groups (F_S[:, :h], twiddle,
-  F_L, conj F_L, conj twiddle / n, conj F_S[:h, :]), DFTs as Gauss triples of bf16 pieces."""
+def _matrices(n: int, width: int, precision: str) -> tuple:
+  """The kernel's constant inputs for transform length ``n`` viewed as ``S`` chunks of ``L = width``
+  lanes: groups (twiddle, F_L, conj F_L, conj twiddle / n), DFTs as Gauss triples of bf16 pieces."""
   s = n // width
   a, j = np.arange(s), np.arange(width)
-  f1 = _gauss(*_phase(s, a[:, None], a[None, :h], False), precision)
   tw = _phase(n, a[:, None], j[None, :], False)
   f2 = _gauss(*_phase(width, j[:, None], j[None, :], False), precision)
   g2 = _gauss(*_phase(width, j[:, None], j[None, :], True), precision)
   itw = tuple(p / n for p in _phase(n, a[:, None], j[None, :], True))
-  g1 = _gauss(*_phase(s, a[:h, None], a[None, :], True), precision)
-  groups, flat, layout = (f1, tw, f2, g2, itw, g1), [], []
+  groups, flat, layout = (tw, f2, g2, itw), [], []
   for g in groups:
     items = [m for part in g for m in part] if isinstance(g[0], tuple) else [np.asarray(m, np.float32) for m in g]
     flat += items
     layout.append(len(items))
   return tuple(flat), tuple(layout)
-
-
-def _cmul_left(xr, xi, g, precision: str):
-  """Complex ``F @ X`` (``fft._cmul_mat``); ``xi`` None: a real ``X``, two products (Gauss's third multiplies zeros)."""
-  if xi is not None:
-    return _cmul_mat(xr, xi, g, precision, left=True)
-  p1 = _dot(xr, g[0], precision, left=True)
-  return p1, p1 + _dot(xr, g[1], precision, left=True)
 
 
 def _unflatten(vals, layout, precision):
@@ -123,121 +114,108 @@ def _unflatten(vals, layout, precision):
   return out
 
 
-def _forward(get_row, rows, s, f1, tw, f2, precision, yr_s, yi_s):
-  """Forward transforms of ``rows`` rows (``get_row(r)`` gives the ``[h, 128]`` planes; imag may be
-  None for a real row): the spectra as ``[rows * S, 128]`` planes in ``[k2, k1]`` order."""
+def _chunks(ref, h: int, s: int, w: int) -> list:
+  """A block of rows ``[rows, t]`` as its ``S`` column chunks ``[rows, L]`` (None beyond the ``h`` that hold
+  the signal: the zero padding, never stored)."""
+  return [ref[:, j * w:(j + 1) * w].astype(jnp.float32) for j in range(h)] + [None] * (s - h)
+
+
+def _dense(parts, like):
+  return [jnp.zeros_like(like) if p is None else p for p in parts]
+
+
+def _forward(xr, xi, tw, f2, precision):
+  """Spectra of a block's rows given as chunk lists (``xi`` all None: real rows): ``[S * rows, L]``
+  planes with rows in ``(k2, r)`` order, the kernel's own order (see the module doc)."""
+  s = len(xr)
+  ar, ai = _vpu_fft(xr, xi, inverse=False)
   tr, ti = tw
-  for r in range(rows):
-    xr, xi = get_row(r)
-    yr, yi = _cmul_left(xr, xi, f1, precision)
-    yr_s[r] = yr * tr - yi * ti
-    yi_s[r] = yr * ti + yi * tr
-  w = tr.shape[-1]
-  return _cmul_mat(yr_s[...].reshape(rows * s, w), yi_s[...].reshape(rows * s, w), f2, precision,
-                   left=False)
+  ys = [_cmul(ar[k], ai[k], tr[k:k + 1], ti[k:k + 1]) for k in range(s)]
+  like = next(y[0] for y in ys if y[0] is not None)
+  yr, yi = (jnp.concatenate(_dense([y[part] for y in ys], like)) for part in (0, 1))
+  return _cmul_mat(yr, yi, f2, precision, left=False)
 
 
-def _inverse(pr, pi, rows, s, g2, itw, g1, precision, put_row, real_only=False):
-  """Inverse transforms of ``[rows * S, 128]`` spectra in ``[k2, k1]`` order; ``put_row(r, re, im)``
-  takes each row's first ``h`` sublane rows (``im`` is None with ``real_only``)."""
+def _inverse(pr, pi, h, g2, itw, precision):
+  """Inverse transforms of ``[S * rows, L]`` spectra in the kernel's order: the first ``h`` chunks of
+  the real and imaginary planes (what is not used is never computed)."""
+  s = itw[0].shape[0]
   vr, vi = _cmul_mat(pr, pi, g2, precision, left=False)
-  vr, vi = vr.reshape(rows, s, -1), vi.reshape(rows, s, -1)
+  rows = vr.shape[0] // s
   tr, ti = itw
-  wr, wi = vr * tr - vi * ti, vr * ti + vi * tr
-  for r in range(rows):
-    if real_only:  # Re(G w) = Gr wr - Gi wi = P1 - P3 of the Gauss products
-      put_row(r, _dot(wr[r] + wi[r], g1[0], precision, left=True) - _dot(wi[r], g1[2], precision, left=True), None)
-    else:
-      put_row(r, *_cmul_left(wr[r], wi[r], g1, precision))
+  ws = [_cmul(vr[k * rows:(k + 1) * rows], vi[k * rows:(k + 1) * rows], tr[k:k + 1], ti[k:k + 1]) for k in range(s)]
+  outr, outi = _vpu_fft([w[0] for w in ws], [w[1] for w in ws], inverse=True)
+  return outr[:h], outi[:h]
 
 
-def _filter_and_invert(zr, zi, kr, ki, lo, hi, bias_ref, out_ref, rows, s, g2, itw, g1, precision):
-  """``ifft(Z K)`` of a packed pair's ``[rows, S, L]`` spectrum into ``out_ref``'s two rows, plus
-  ``bias`` times the pair's input (``lo``, ``hi``, ``[rows, h, L]``) when there is one."""
+def _filter_and_invert(zr, zi, kr, ki, lo, hi, bias_ref, out_ref, h, w, g2, itw, precision):
+  """``ifft(Z K)`` of a packed pair's spectrum into ``out_ref``'s two rows, plus ``bias`` times the
+  pair's input chunks (``lo``, ``hi``) when there is one."""
   pr, pi = zr * kr - zi * ki, zr * ki + zi * kr
-  out = [], []
-
-  def put(r, a, b):
-    if bias_ref is not None:
-      a, b = a + bias_ref[r] * lo[r], b + bias_ref[r] * hi[r]
-    out[0].append(a)
-    out[1].append(b)
-  _inverse(pr.reshape(rows * s, -1), pi.reshape(rows * s, -1), rows, s, g2, itw, g1, precision, put)
-  out_ref[0, 0] = _unview(out[0])
-  out_ref[1, 0] = _unview(out[1])
+  outs = _inverse(pr, pi, h, g2, itw, precision)
+  for part, (chunks, x) in enumerate(zip(outs, (lo, hi))):
+    for j in range(h):
+      y = chunks[j] if bias_ref is None else chunks[j] + bias_ref[...] * x[j]
+      out_ref[part, 0, :, j * w:(j + 1) * w] = y
 
 
-def _conv_kernel(*refs, rows, s, precision, layout, has_bias, save_spectrum):
+def _conv_kernel(*refs, s, h, w, precision, layout, has_bias, save_spectrum):
   nm = sum(layout)
-  f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
+  tw, f2, g2, itw = _unflatten([m[...] for m in refs[:nm]], layout, precision)
   k_ref, u_ref = refs[nm:nm + 2]
   bias_ref = refs[nm + 2] if has_bias else None
-  y_ref, *zs_refs, kr_s, ki_s, yr_s, yi_s = refs[nm + 2 + has_bias:]
-  view = functools.partial(_view, rows=rows, width=tw[0].shape[-1])
+  y_ref, *zs_refs, kr_s, ki_s = refs[nm + 2 + has_bias:]
 
   @pl.when(pl.program_id(1) == 0)  # the filter's spectrum, once per channel block
   def _():
-    kk = view(k_ref[...])
-    zr, zi = _forward(lambda r: (kk[r], None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+    zr, zi = _forward(_chunks(k_ref, h, s, w), [None] * s, tw, f2, precision)
     kr_s[...] = zr.reshape(kr_s.shape)
     ki_s[...] = zi.reshape(ki_s.shape)
 
-  ulo, uhi = view(u_ref[0, 0]), view(u_ref[1, 0])
-  zr, zi = _forward(lambda r: (ulo[r], uhi[r]), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+  lo, hi = _chunks(u_ref.at[0, 0], h, s, w), _chunks(u_ref.at[1, 0], h, s, w)
+  zr, zi = _forward(lo, hi, tw, f2, precision)
   zr, zi = zr.reshape(kr_s.shape), zi.reshape(kr_s.shape)
   if save_spectrum:  # the packed pair's spectrum, for the backward pass
     zs_refs[0][0] = zr
     zs_refs[1][0] = zi
-  _filter_and_invert(zr, zi, kr_s[...], ki_s[...], ulo, uhi, bias_ref, y_ref, rows, s, g2, itw, g1, precision)
+  _filter_and_invert(zr.reshape(-1, w), zi.reshape(-1, w), kr_s[...].reshape(-1, w), ki_s[...].reshape(-1, w),
+                     lo, hi, bias_ref, y_ref, h, w, g2, itw, precision)
 
 
-def _bwd_kernel(*refs, rows, s, precision, layout, has_bias):
+def _bwd_kernel(*refs, s, h, w, precision, layout, has_bias):
   """``du`` (a correlation of ``dy`` with ``k``) and ``dk`` (``conj(U) DY`` summed over the batch
   steps, inverted at the last): ``dy``'s transform is made once and serves both; ``U`` is the
   spectrum the forward kernel saved."""
   nm = sum(layout)
-  f1, tw, f2, g2, itw, g1 = _unflatten([m[...] for m in refs[:nm]], layout, precision)
+  tw, f2, g2, itw = _unflatten([m[...] for m in refs[:nm]], layout, precision)
   k_ref, d_ref, zr_ref, zi_ref = refs[nm:nm + 4]
   bias_ref = refs[nm + 4] if has_bias else None
-  du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s, yr_s, yi_s = refs[nm + 4 + has_bias:]
-  view = functools.partial(_view, rows=rows, width=tw[0].shape[-1])
+  du_ref, dk_ref, kr_s, ki_s, ar_s, ai_s = refs[nm + 4 + has_bias:]
   b = pl.program_id(1)
   shape = kr_s.shape
 
   @pl.when(b == 0)  # conj K, once per channel block; the dk accumulator starts at zero
   def _():
-    kk = view(k_ref[...])
-    zr, zi = _forward(lambda r: (kk[r], None), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+    zr, zi = _forward(_chunks(k_ref, h, s, w), [None] * s, tw, f2, precision)
     kr_s[...] = zr.reshape(shape)
     ki_s[...] = -zi.reshape(shape)
     ar_s[...] = jnp.zeros_like(ar_s)
     ai_s[...] = jnp.zeros_like(ai_s)
 
-  dlo, dhi = view(d_ref[0, 0]), view(d_ref[1, 0])
-  dr, di = _forward(lambda r: (dlo[r], dhi[r]), rows, s, f1, tw, f2, precision, yr_s, yi_s)
+  lo, hi = _chunks(d_ref.at[0, 0], h, s, w), _chunks(d_ref.at[1, 0], h, s, w)
+  dr, di = _forward(lo, hi, tw, f2, precision)
   dr, di = dr.reshape(shape), di.reshape(shape)
   ur, ui = zr_ref[0], zi_ref[0]
   ar_s[...] += ur * dr + ui * di  # conj(U) DY
   ai_s[...] += ur * di - ui * dr
-  _filter_and_invert(dr, di, kr_s[...], ki_s[...], dlo, dhi, bias_ref, du_ref, rows, s, g2, itw, g1, precision)
+  _filter_and_invert(dr.reshape(-1, w), di.reshape(-1, w), kr_s[...].reshape(-1, w), ki_s[...].reshape(-1, w),
+                     lo, hi, bias_ref, du_ref, h, w, g2, itw, precision)
 
   @pl.when(b == pl.num_programs(1) - 1)
   def _():
-    dk = []
-    _inverse(ar_s[...].reshape(rows * s, -1), ai_s[...].reshape(rows * s, -1), rows, s, g2, itw, g1,
-             precision, lambda r, a, _: dk.append(a), real_only=True)
-    dk_ref[...] = _unview(dk)
-
-
-def _view(x, rows, width):
-  """A block of rows ``[rows, t]`` as ``[rows, t / L, L]`` f32: the relayout happens in VMEM (an XLA
-  reshape of the HBM array would be a copy: its (8, 128) tiles are over (channels, time))."""
-  return x.astype(jnp.float32).reshape(rows, -1, width)
-
-
-def _unview(parts):
-  """Rows of ``[h, L]`` results back to one ``[rows, t]`` block."""
-  return jnp.stack(parts).reshape(len(parts), -1)
+    dk = _inverse(ar_s[...].reshape(-1, w), ai_s[...].reshape(-1, w), h, g2, itw, precision)[0]
+    for j in range(h):
+      dk_ref[:, j * w:(j + 1) * w] = dk[j]
 
 
 def _per_row(n: int, t: int, u_itemsize: int, scratch: int) -> int:
@@ -269,41 +247,41 @@ def _specs(mats, rows, t, w, bias):
   full = lambda m: pl.BlockSpec(m.shape, lambda ci, bi: (0,) * m.ndim)  # noqa: E731
   chan = pl.BlockSpec((rows, t), lambda ci, bi: (ci, 0))
   pair = pl.BlockSpec((2, 1, rows, t), lambda ci, bi: (0, bi, ci, 0))
-  bias_spec = [] if bias is None else [pl.BlockSpec((rows, 1, w), lambda ci, bi: (ci, 0, 0))]
+  bias_spec = [] if bias is None else [pl.BlockSpec((rows, w), lambda ci, bi: (ci, 0))]
   return [full(m) for m in mats], chan, pair, bias_spec
 
 
 def _bias_rows(bias, c, w):
-  return [] if bias is None else [jnp.broadcast_to(bias.astype(jnp.float32)[:, None, None], (c, 1, w))]
+  return [] if bias is None else [jnp.broadcast_to(bias.astype(jnp.float32)[:, None], (c, w))]
 
 
 def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes_accessed, *, causal, precision,
           interpret, temps, **options):
   """One of the two kernels on grid (channel blocks, batch pairs): the pair is the inner, sequential axis.
-  ``u`` ``[B, C, t]`` (``dy`` for the backward), ``spectrum`` the saved pair of ``[B/2, C, S, L]`` planes or None."""
+  ``u`` ``[B, C, t]`` (``dy`` for the backward), ``spectrum`` the saved pair of ``[B/2, S, C, L]`` planes or None."""
   b, c, t = u.shape
   chip = target_chip()
   w = lane_width(t, chip)
   n, h = (2 * t if causal else t), t // w
   s = n // w
   rows, need = _plan(c, n, t, u.dtype.itemsize, chip, temps)
-  flat, layout = _matrices(n, h, w, precision)
+  flat, layout = _matrices(n, w, precision)
   mats = [jnp.asarray(m) for m in flat]
   mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
   mat_specs, chan, pair, bias_spec = _specs(mats, rows, t, w, bias)
   u5 = _pair(u)
-  sshape = (u5.shape[1], c, s, w)  # one plane of the saved spectrum
-  sspec = pl.BlockSpec((1, rows, s, w), lambda ci, bi: (bi, ci, 0, 0))
+  sshape = (u5.shape[1], s, c, w)  # one plane of the saved spectrum, in the kernel's (k2, channel) order
+  sspec = pl.BlockSpec((1, s, rows, w), lambda ci, bi: (bi, 0, ci, 0))
   spectrum_in = [] if spectrum is None else list(spectrum)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   return pl.pallas_call(
-      functools.partial(kernel, rows=rows, s=s, precision=precision, layout=layout, has_bias=bias is not None,
+      functools.partial(kernel, s=s, h=h, w=w, precision=precision, layout=layout, has_bias=bias is not None,
                         **options),
       grid=(tiling.cdiv(c, rows), u5.shape[1]),
       in_specs=mat_specs + [chan, pair] + [sspec] * len(spectrum_in) + bias_spec,
       out_specs=out_specs(chan, pair, sspec),
       out_shape=out_shape(u5.shape, (c, t), sshape),
-      scratch_shapes=[pltpu.VMEM((rows, s, w), jnp.float32)] * temps,
+      scratch_shapes=[pltpu.VMEM((s, rows, w), jnp.float32)] * temps,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
@@ -313,13 +291,14 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
 
 
 def _fft_flops(passes, s, h, w):
-  """Matmul FLOPs of one complex row's transform (3 real products): ``F_S`` on ``h`` of ``S`` rows, ``F_L``."""
-  return 3 * 2 * passes * (s * h * w + s * w * w)
+  """Matmul FLOPs of one complex row's transform (3 real products): ``F_L`` on each of the ``S`` chunks."""
+  del h
+  return 3 * 2 * passes * s * w * w
 
 
 def _conv_call(u, k, bias, *, causal, precision, interpret, save_spectrum=False):
   """``y = u * k (+ bias u)``, ``[B, C, t]`` f32; with ``save_spectrum`` also the packed pairs'
-  spectra, a (real, imaginary) pair of ``[B/2, C, S, L]`` planes in the kernel's order, for the backward."""
+  spectra, a (real, imaginary) pair of ``[B/2, S, C, L]`` planes in the kernel's order, for the backward."""
   b, c, t = u.shape
   out = _call(_conv_kernel, "fft_conv", u, k, bias, None,
               out_shape=lambda pshape, cshape, sshape: [jax.ShapeDtypeStruct(pshape, jnp.float32)]
@@ -328,7 +307,7 @@ def _conv_call(u, k, bias, *, causal, precision, interpret, save_spectrum=False)
               flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
               bytes_accessed=lambda size, ssize: size * (u.dtype.itemsize + 4) + k.size * k.dtype.itemsize
               + 4 * ssize * save_spectrum,
-              causal=causal, precision=precision, interpret=interpret, temps=4, save_spectrum=save_spectrum)
+              causal=causal, precision=precision, interpret=interpret, temps=2, save_spectrum=save_spectrum)
   y = out[0].reshape(-1, c, t)[:b]
   return (y, tuple(out[1:])) if save_spectrum else y
 
@@ -343,7 +322,7 @@ def _bwd_call(spectrum, k, bias, dy, *, causal, precision, interpret):
                  out_specs=lambda chan, pair, sspec: (pair, chan),
                  flops=lambda p, rows, s, h, w: 2 * rows * _fft_flops(p, s, h, w),
                  bytes_accessed=lambda size, ssize: size * (dy.dtype.itemsize + 4) + 4 * ssize + 2 * k.size * 4,
-                 causal=causal, precision=precision, interpret=interpret, temps=6)
+                 causal=causal, precision=precision, interpret=interpret, temps=4)
   return du.reshape(-1, c, t)[:b], dk.reshape(c, t)
 
 

@@ -1,10 +1,12 @@
-"""Discrete Fourier transforms on the MXU, in Pallas: ``fft``, ``ifft``, ``rfft``, ``irfft`` and 2-D.
+"""Discrete Fourier transforms in Pallas, on the VPU and the MXU: ``fft``, ``ifft``, ``rfft``, ``irfft`` and 2-D.
 
 A TPU has no butterfly unit; its matrix unit (MXU: 128 x 128 on v4/v5e/v5p, 256 x 256 on
-v6e) multiplies dense matrices. So, as FNet and Lu et al. ("Large-scale discrete Fourier
-transform on TPUs") do, these kernels compute the DFT as matrix products: a length-``N``
-transform of a batch of rows is factored (Cooley-Tukey, "four-step") into small dense DFT
-matrices that fit the MXU, with the twiddle factors multiplied on the VPU between them.
+v6e) multiplies dense matrices, which is why FNet and Lu et al. ("Large-scale discrete
+Fourier transform on TPUs") compute the DFT as matrix products. These kernels factor a
+length-``N`` transform of a batch of rows (Cooley-Tukey, "four-step") into two stages and
+put each where it is cheapest: butterflies on the VPU where the layout lets them work on
+whole vregs, and a 128-point DFT matmul on the MXU where it does not (or where one bf16
+pass is enough).
 
 How the FFT kernel works
 ------------------------
@@ -16,30 +18,48 @@ rows of both planes into VMEM, transforms them there, and writes the ``R`` outpu
 HBM is read once and written once.
 
 *Two stages* (``N = S * 128``, ``512 < N <= 65536``). Inside the block each row is viewed
-as a matrix ``A[s, f]`` with ``n = 128 s + f``: 128 lanes of ``f``, ``S`` sublanes of ``s``
-(the reshape ``[R, N] -> [R, S, 128]`` is a relayout in VMEM, not an HBM transpose). With
-``k = S k1 + k2`` (``k1 < 128``, ``k2 < S``)::
+as a matrix ``A[s, f]`` with ``n = 128 s + f``. With ``k = S k1 + k2`` (``k1 < 128``,
+``k2 < S``)::
 
     X[S k1 + k2] = sum_f W_128^(f k1) * W_N^(f k2) * sum_s W_S^(s k2) A[s, f]
 
-1. stage 1: ``Y[r] = F_S @ A[r]`` for each row ``r`` (an ``S``-point DFT down the sublanes,
-   one ``[S, S] x [S, 128]`` matmul per row; unrolled over the rows up to ``S = 128``, where
-   the cost model puts a rolled loop 25-40% slower, and a ``fori_loop`` above, where each
-   row's matmuls are long and the unrolled kernel took minutes to compile);
+1. stage 1, an ``S``-point DFT over ``s``. Column chunk ``s`` of the block (lanes
+   ``128 s .. 128 s + 127`` of every row) is already a ``[R, 128]`` array of whole vregs, so
+   for ``S`` a power of two stage 1 is a radix-4 FFT *across* those arrays on the VPU
+   (:func:`_vpu_fft`): every twiddle inside it is one constant per array, the recursion's
+   index shuffles are Python list slicing, and the arithmetic is plain f32 (exact to float32
+   rounding at every ``precision``). Other ``S`` (9, 25, ...) take ``Y[r] = F_S @ A[r]`` per
+   row on the MXU after a relayout of the block to ``[R, S, 128]``;
 2. the twiddle ``Y[k2, f] *= W_N^(f k2)`` on the VPU (the ``norm`` scale is folded into it);
-3. stage 2: ``Z = Y.reshape(R * S, 128) @ F_128``, one matmul whose M dimension is every
-   row of the block (the shape the MXU likes best: a constant 128 x 128 weight, many rows);
-4. ``out[r] = Z[r].T``: ``Z[r, k2, k1]`` belongs at ``k = S k1 + k2``, so the transpose of
-   each ``[S, 128]`` matrix (the XLU's job), read back as ``[R, N]``, is the output in
-   natural order. No digit reversal is ever stored.
+3. stage 2, the 128-point DFT over ``f``: ``Z = Y @ F_128``, one matmul whose M dimension is
+   every ``(row, k2)`` of the block (the shape the MXU likes best: a constant 128 x 128
+   weight, many rows);
+4. ``Z[r, k2, k1]`` belongs at ``k = S k1 + k2``: a transpose per row into natural order (no
+   digit reversal is ever stored).
+
+Steps 3 and 4 take one of two routes (:func:`plan`):
+
+* *128-row blocks* (``S <= 128``, a batch of at least 128, when VMEM allows): a block holds
+  one row per lane, and every move is a whole-tile one. Each ``[128 r, 128 f]`` array of
+  stage 1 is transposed (the XLU), which puts ``f`` down the sublanes; there the 128-point
+  DFT is a VPU FFT too (:func:`_vpu_dft128`: 16 points across vregs, a twiddle, a swap of
+  sublanes and a leading axis, 8 points across vregs), in f32 and with no matmul passes.
+  At ``"bfloat16"`` one MXU pass is cheaper, so stage 2 is the matmul and its ``[r, k1]``
+  tiles are transposed instead. A swap of ``k2`` and ``k1`` then lines up each 128-wide
+  output chunk, which is transposed back.
+* *16-row blocks* (otherwise): ``Y`` is stored in ``(row, k2)`` order by a sublane-strided
+  store, stage 2 is the matmul, and each row's ``[S, 128]`` result is transposed.
 
 *One stage* (``N <= 512``, any length): ``X = A @ F_N``, a dense DFT matmul on the block.
 
-*Why 128-point stages, not radix-2 butterflies.* A radix-2 stage is 5 flops per complex
-element for 16 bytes of traffic, done ``log2 N`` times on the VPU; a 128-point stage as a
-matmul is ~1000 flops per element on the MXU, whose rate is ~50x the VPU's. Two matmul
-stages do more arithmetic than a butterfly FFT but keep it on the unit built for it, and
-never leave VMEM between stages.
+*Why butterflies on the VPU, and when the MXU.* An FFT needs ~5 log2(N) flops per element;
+a DFT matmul stage needs ~6 x 128 per element and pass, and float32 accuracy takes six bf16
+passes (each with its operand splits and sums on the VPU). The VPU's rate is far below the
+MXU's, but a butterfly across whole vregs costs one VPU operation per flop and moves no
+data, so where the layout puts the transform's axis across vregs (the chunks for stage 1;
+the sublanes, after a tile transpose, for stage 2) the butterflies win at every precision
+but one bf16 pass. Across the lanes a butterfly would need lane shuffles, so the 16-row
+route keeps the matmul there. The trade-offs are measured in the FFT notebook.
 
 *Complex products: 3 real matmuls (Gauss), not 4.* ``(Xr + i Xi) @ (Fr + i Fi)`` is
 ``P1 = (Xr + Xi) @ Fr``, ``P2 = Xr @ (Fi - Fr)``, ``P3 = Xi @ (Fr + Fi)``, real part
@@ -48,11 +68,13 @@ VPU add per element. The MXU is the bottleneck at 128-point stages, and every pr
 pass multiplies its work, so one product saved is 25% of the matmul time in every mode
 (the sums cost a little accuracy; the errors below include it).
 
-*Precision* (``precision=``), errors as ``max |error| / max |X|`` against float64 NumPy at
-N = 4096 (interpret mode): ``"bfloat16"``, one bf16 pass (data and matrices rounded to
+*Precision* (``precision=``) sets the passes of each matmul; the butterflies are f32 at
+every precision, so on the 128-row route ``"high"`` and ``"highest"`` both give float32
+accuracy (no matmul at all). Errors as ``max |error| / max |X|`` against float64 NumPy at
+N = 1024 to 4096 on the 16-row route (interpret mode): ``"bfloat16"``, one bf16 pass (data and matrices rounded to
 bf16, f32 accumulation; ~4e-3); ``"high"``, bf16x3 (each operand split into a high and a
-low bf16 piece, ``hi*hi + hi*lo + lo*hi``; ~2e-5); ``"highest"`` (default), bf16x6 (three
-pieces each, the six products down to 2^-24, smallest first; ~1.5e-7, float32 level). The
+low bf16 piece, ``hi*hi + hi*lo + lo*hi``; ~1e-5); ``"highest"`` (default), bf16x6 (three
+pieces each, the six products down to 2^-24, smallest first; ~2e-7, float32 level). The
 matrices are split on the host (rounding); the data in the kernel by truncating the f32 bit
 pattern (the top 16 bits are exactly a bf16, the rest exactly an f32). An f32 matmul at
 ``Precision.HIGHEST`` (Mosaic's own 6-pass emulation) measured the same cost and a larger
@@ -99,13 +121,14 @@ from kernels.hardware import get_chip
 
 __all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "fft_conv", "fft_conv_reference",
            "fft_conv_fuses",
-           "PRECISIONS", "block_max", "supported_length"]
+           "PRECISIONS", "block_max", "plan", "supported_length", "vpu_stage1"]
 
 PRECISIONS = ("bfloat16", "high", "highest")
 NORMS = (None, "backward", "ortho", "forward")
 LANES = 128
 DENSE_MAX = 512  # one dense stage up to here
-LOOP_ABOVE = 128  # stage 1 is a loop over rows (not unrolled) above this S
+LOOP_ABOVE = 128  # MXU stage 1: a loop over rows (not unrolled) above this S
+LANE_ROWS = 128  # rows per block on the transposing path: one row per lane
 TWO_STAGE_MAX = 128 * 512  # S = N / 128 <= 512
 
 
@@ -171,22 +194,27 @@ def _gauss(fr: np.ndarray, fi: np.ndarray, precision: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _matrices(n: int, inverse: bool, scale: float, precision: str) -> tuple:
+def _matrices(n: int, inverse: bool, scale: float, precision: str, path: str = "mxu") -> tuple:
   """The kernel's constant inputs for length ``n``: (stage-1 DFT, twiddle planes, stage-2 DFT),
-  each DFT as Gauss triples of split matrices. The ``norm`` scale multiplies the last step
-  that is not a matmul operand split (the twiddle; the dense DFT itself with one stage)."""
+  each DFT as Gauss triples of split matrices, without the stage-1 DFT when stage 1 runs on
+  the VPU. The ``norm`` scale multiplies the last step that is not a matmul operand split (the
+  twiddle; the dense DFT itself with one stage)."""
   if n <= DENSE_MAX:
     j = np.arange(n)
     fr, fi = _phase(n, j[:, None], j[None, :], inverse)
     return (_gauss(fr * scale, fi * scale, precision),)
   s = n // LANES
-  j = np.arange(s)
-  f1 = _gauss(*_phase(s, j[:, None], j[None, :], inverse), precision)
   tr, ti = _phase(n, np.arange(s)[:, None], np.arange(LANES)[None, :], inverse)  # [k2, f]
   tw = (np.asarray(tr * scale, np.float32), np.asarray(ti * scale, np.float32))
   j = np.arange(LANES)
   f2 = _gauss(*_phase(LANES, j[:, None], j[None, :], inverse), precision)
-  return (f1, tw, f2)
+  if stage2_on_vpu(path, precision):  # stage 2 on the VPU: its twiddle W_128^(b k_a) at row 8 k_a + b, across the lanes
+    ka, b = np.divmod(np.arange(LANES), 8)
+    return (tw, tuple(np.repeat(np.asarray(p, np.float32)[:, None], LANES, axis=1) for p in _phase(LANES, ka, b, inverse)))
+  if vpu_stage1(n):
+    return (tw, f2)
+  j = np.arange(s)
+  return (_gauss(*_phase(s, j[:, None], j[None, :], inverse), precision), tw, f2)
 
 
 # ---------------------------------------------------------------------------------
@@ -238,7 +266,150 @@ def _cmul_mat(xr, xi, g, precision: str, left: bool):
   return p1 - p3, p1 + p2
 
 
-def _kernel(*refs, n: int, rows: int, precision: str, layout):
+def vpu_factors(s: int):
+  """``s`` as the radices the VPU FFT uses (4 first, then 2, 3, 5, 7), or None if another prime divides it."""
+  out = []
+  for p in (4, 2, 3, 5, 7):
+    while s % p == 0 and s > 1:
+      out.append(p)
+      s //= p
+  return out if s == 1 else None
+
+
+def vpu_stage1(n: int) -> bool:
+  """True when stage 1 of length ``n`` runs on the VPU: two stages with ``S = n / 128`` a power of two."""
+  s = n // LANES
+  return n > DENSE_MAX and n % LANES == 0 and s & (s - 1) == 0
+
+
+def _root(n: int, e: int, inverse: bool) -> tuple:
+  """``exp(-+2 pi i e / n)`` as two Python floats, exact at multiples of a quarter turn."""
+  e %= n
+  if (4 * e) % n == 0:
+    c, s = ((1.0, 0.0), (0.0, -1.0), (-1.0, 0.0), (0.0, 1.0))[4 * e // n]
+    return c, -s if inverse else s
+  ang = 2 * math.pi * e / n * (1 if inverse else -1)
+  return math.cos(ang), math.sin(ang)
+
+
+
+
+def _add(x, y):
+  return x if y is None else y if x is None else x + y
+
+
+def _sub(x, y):
+  return x if y is None else -y if x is None else x - y
+
+
+def _neg(x):
+  return None if x is None else -x
+
+
+def _cmul(a, b, c, d):
+  """``(a + ib) (c + id)`` for arrays (``a`` or ``b`` None: zero)."""
+  mul = lambda x, y: None if x is None else x * y  # noqa: E731
+  return _sub(mul(a, c), mul(b, d)), _add(mul(a, d), mul(b, c))
+
+
+def _cscale(a, b, c: float, d: float):
+  """``(a + ib) (c + id)`` for arrays ``a``, ``b`` (None: zero) and constants ``c``, ``d``;
+  multiplying by 1, -1 or +-i is free."""
+  if d == 0.0 and c in (1.0, -1.0):
+    return (a, b) if c == 1.0 else (_neg(a), _neg(b))
+  if c == 0.0 and d in (1.0, -1.0):
+    return (_neg(b), a) if d == 1.0 else (b, _neg(a))
+  return _cmul(a, b, c, d)
+
+
+def _vpu_fft(xr: list, xi: list, inverse: bool) -> tuple:
+  """The DFT of the sequence ``xr[j] + i xi[j]`` (a count of f32 arrays with factors 2, 3, 5, 7), in natural order.
+
+  Mixed-radix decimation in time (:func:`vpu_factors`: radix 4 first, then 2, 3, 5, 7; the
+  last three as small dense DFTs with constant coefficients). Every twiddle is one constant
+  for a whole array, so on TPU this is f32 vreg arithmetic with no lane or sublane movement;
+  the index shuffles of the recursion are Python list slicing, which moves no data. ``None``
+  stands for a zero array (zero padding, a real input) and costs nothing."""
+  n = len(xr)
+  if n == 1:
+    return list(xr), list(xi)
+  p = vpu_factors(n)[0]
+  m = n // p
+  subs = [_vpu_fft(xr[q::p], xi[q::p], inverse) for q in range(p)]
+  outr, outi = [None] * n, [None] * n
+  for k in range(m):
+    a = [_cscale(subs[q][0][k], subs[q][1][k], *_root(n, q * k, inverse)) for q in range(p)]
+    if p == 2:
+      (ar, ai), (br, bi) = a
+      outr[k], outi[k], outr[k + m], outi[k + m] = _add(ar, br), _add(ai, bi), _sub(ar, br), _sub(ai, bi)
+      continue
+    if p != 4:  # 3, 5, 7: a small dense DFT with constant coefficients
+      for t in range(p):
+        acc = a[0]
+        for q in range(1, p):
+          c = _cscale(*a[q], *_root(p, q * t, inverse))
+          acc = (_add(acc[0], c[0]), _add(acc[1], c[1]))
+        outr[k + m * t], outi[k + m * t] = acc
+      continue
+    (a0r, a0i), (a1r, a1i), (a2r, a2i), (a3r, a3i) = a
+    b0r, b0i, b1r, b1i = _add(a0r, a2r), _add(a0i, a2i), _sub(a0r, a2r), _sub(a0i, a2i)
+    b2r, b2i, b3r, b3i = _add(a1r, a3r), _add(a1i, a3i), _sub(a1r, a3r), _sub(a1i, a3i)
+    tr, ti = (_neg(b3i), b3r) if inverse else (b3i, _neg(b3r))  # W_4 b3: -i b3 forward, +i b3 inverse
+    outr[k], outi[k], outr[k + 2 * m], outi[k + 2 * m] = _add(b0r, b2r), _add(b0i, b2i), _sub(b0r, b2r), _sub(b0i, b2i)
+    outr[k + m], outi[k + m], outr[k + 3 * m], outi[k + 3 * m] = _add(b1r, tr), _add(b1i, ti), _sub(b1r, tr), _sub(b1i, ti)
+  return outr, outi
+
+
+def stage2_on_vpu(path: str, precision: str) -> bool:
+  """True when stage 2 runs on the VPU too: 128-row blocks, at ``"high"`` or ``"highest"`` (at
+  ``"bfloat16"`` one MXU pass is cheaper than the VPU's 128-point FFT)."""
+  return path == "vpu_lanes" and precision != "bfloat16"
+
+
+def _two_stage_vpu(x_refs, o_refs, scratch, tw, stage2, *, n: int, rows: int, precision: str, inverse: bool,
+                   lane_rows: bool):
+  """Stage 1 on the VPU; the twiddle; stage 2 and the transpose into natural order (see the module doc)."""
+  s = n // LANES
+  xr_ref, xi_ref = x_refs
+  tr, ti = tw
+  ar, ai = _vpu_fft([xr_ref[:, j * LANES:(j + 1) * LANES] for j in range(s)],
+                    [xi_ref[:, j * LANES:(j + 1) * LANES] for j in range(s)], inverse)
+  ys = [_cmul(ar[k2], ai[k2], tr[k2:k2 + 1], ti[k2:k2 + 1]) for k2 in range(s)]  # [r, f] for each k2
+  if not lane_rows:  # 16-row blocks: the stage-2 operand in (r, k2) row order by a strided store, then per row
+    for k2, y in enumerate(ys):
+      for part, ref in zip(y, scratch):
+        ref[pl.ds(k2, rows, stride=s), :] = part
+    zs = _cmul_mat(scratch[0][...], scratch[1][...], stage2, precision, left=False)  # Z[r, k2, k1]
+    for z, o_ref in zip(zs, o_refs):
+      o_ref[...] = jnp.swapaxes(z.reshape(rows, s, LANES), 1, 2).reshape(rows, n)
+    return
+  if precision == "bfloat16":  # one MXU pass over rows (k2, r), each k2's [r, k1] then transposed
+    zs = _cmul_mat(jnp.concatenate([y[0] for y in ys]), jnp.concatenate([y[1] for y in ys]), stage2, precision,
+                   left=False)
+    cols = [[z[k2 * rows:(k2 + 1) * rows].T for z in zs] for k2 in range(s)]
+  else:
+    cols = [_vpu_dft128(y[0].T, y[1].T, stage2, inverse) for y in ys]
+  for part, o_ref in enumerate(o_refs):  # [k2, k1, r] -> rows k = S k1 + k2: chunk j is rows 128 j .. 128 j + 127
+    u = jnp.swapaxes(jnp.stack([c[part] for c in cols]), 0, 1).reshape(s, LANES, rows)
+    for j in range(s):
+      o_ref[:, j * LANES:(j + 1) * LANES] = u[j].T
+
+
+def _vpu_dft128(yr, yi, tw, inverse: bool) -> list:
+  """The 128-point DFT down the sublanes of ``[128 f, lanes]`` planes, on the VPU, in natural order.
+
+  ``f = 8 a + b``: a 16-point FFT across the 16 vregs ``a``, the twiddle ``W_128^(b k_a)``
+  (``tw``, row ``8 k_a + b``), a swap of ``a`` and ``b`` (sublanes to a leading axis) and an
+  8-point FFT across ``b``, which leaves ``k = k_a + 16 k_b`` in row order."""
+  ur, ui = tw
+  vr, vi = _vpu_fft([yr[8 * a:8 * a + 8] for a in range(16)], [yi[8 * a:8 * a + 8] for a in range(16)], inverse)
+  v = [_cmul(r, i, ur[8 * a:8 * a + 8], ui[8 * a:8 * a + 8]) for a, (r, i) in enumerate(zip(vr, vi))]
+  vr, vi = (jnp.swapaxes(jnp.stack([t[part] for t in v]), 0, 1) for part in (0, 1))  # [b, k_a, lanes]
+  wr, wi = _vpu_fft([vr[b] for b in range(8)], [vi[b] for b in range(8)], inverse)
+  return [jnp.concatenate(wr), jnp.concatenate(wi)]
+
+
+def _kernel(*refs, n: int, rows: int, precision: str, layout, path: str = "mxu", inverse: bool = False):
   """One block of ``rows`` rows: refs are the matrices (flattened by ``layout``), x planes, out planes, scratch."""
   nm = sum(layout)
   mats, (xr_ref, xi_ref, or_ref, oi_ref), scratch = refs[:nm], refs[nm:nm + 4], refs[nm + 4:]
@@ -256,6 +427,11 @@ def _kernel(*refs, n: int, rows: int, precision: str, layout):
     yr, yi = _cmul_mat(xr_ref[...], xi_ref[...], gauss(groups[0]), precision, left=False)
     or_ref[...] = yr
     oi_ref[...] = yi
+    return
+  if path != "mxu":
+    stage2 = groups[1] if stage2_on_vpu(path, precision) else gauss(groups[1])
+    _two_stage_vpu((xr_ref, xi_ref), (or_ref, oi_ref), scratch, groups[0], stage2, n=n, rows=rows,
+                   precision=precision, inverse=inverse, lane_rows=path == "vpu_lanes")
     return
   s = n // LANES
   f1, f2 = gauss(groups[0]), gauss(groups[2])
@@ -285,23 +461,43 @@ def _kernel(*refs, n: int, rows: int, precision: str, layout):
   oi_ref[...] = jnp.swapaxes(zi.reshape(rows, s, LANES), 1, 2).reshape(rows, n)
 
 
-def _vmem_per_row(n: int) -> int:
-  """VMEM bytes a block row needs: 4 planes double-buffered + the stage scratch and temporaries."""
-  return 4 * n * (4 * 2 + 2 + 8)
+def _vmem_per_row(n: int, path: str = "mxu") -> int:
+  """VMEM bytes a block row needs: 4 planes double-buffered + the stage scratch and temporaries
+  (more temporaries on the 128-row path: its stacks and swaps)."""
+  return 4 * n * (4 * 2 + (4 if path == "vpu_lanes" else 2) + 8)
+
+
+def _budget(c) -> int:
+  return min(c.vmem_bytes // 2, 48 << 20)
+
+
+def plan(batch: int, n: int, chip=None) -> tuple:
+  """``(path, rows)``: the kernel path for length ``n`` and the rows per grid step.
+
+  ``"dense"`` (one stage); ``"vpu_lanes"`` (stage 1 on the VPU, 128 rows a block so the
+  transpose works on whole 128 x 128 tiles; S <= 128, a batch of at least 128, when it fits
+  VMEM); ``"vpu"`` (stage 1 on the VPU, 16 rows); ``"mxu"`` (stage 1 as DFT matmuls, for S
+  not a power of two). Rows are a multiple of 8, or the whole batch, within ``chip``'s VMEM."""
+  c = get_chip(chip or "v5e")
+  if n <= DENSE_MAX:
+    path, cap = "dense", 256
+  elif not vpu_stage1(n):
+    path, cap = "mxu", 16  # its stage-1 loop is unrolled per row
+  elif n // LANES <= LANES and batch >= LANE_ROWS and LANE_ROWS * _vmem_per_row(n, "vpu_lanes") <= _budget(c):
+    return "vpu_lanes", LANE_ROWS
+  else:
+    path, cap = "vpu", 16
+  r = max(8, min(cap, _budget(c) // _vmem_per_row(n, path) // 8 * 8))
+  return path, batch if batch <= r else r
 
 
 def block_rows(batch: int, n: int, chip=None) -> int:
-  """Rows per grid step: a multiple of 8 (or the whole batch) whose VMEM plan fits ``chip``,
-  at most 16 for the two-stage kernel (its stage-1 loop is unrolled per row) and 256 for one stage."""
-  c = get_chip(chip or "v5e")
-  budget = min(c.vmem_bytes // 2, 48 << 20)
-  cap = 16 if n > DENSE_MAX else 256
-  r = max(8, min(cap, budget // _vmem_per_row(n) // 8 * 8))
-  return batch if batch <= r else r
+  """Rows per grid step (see :func:`plan`)."""
+  return plan(batch, n, chip)[1]
 
 
-def _mat_inputs(n, inverse, scale, precision):
-  mats = _matrices(n, inverse, scale, precision)
+def _mat_inputs(n, inverse, scale, precision, path="mxu"):
+  mats = _matrices(n, inverse, scale, precision, path)
   flat, layout = [], []
   for group in mats:
     if isinstance(group[0], tuple):  # a Gauss triple of split matrices
@@ -317,19 +513,21 @@ def _fft_rows(xr, xi, *, inverse: bool, scale: float, precision: str, interpret)
   """The kernel on ``[B, N]`` f32 planes (N a kernel length), no autodiff."""
   batch, n = xr.shape
   chip = target_chip()
-  rows = block_rows(batch, n, chip)
-  mats, layout = _mat_inputs(n, inverse, scale, precision)
+  path, rows = plan(batch, n, chip)
+  mats, layout = _mat_inputs(n, inverse, scale, precision, path)
   full = lambda m: pl.BlockSpec(m.shape, lambda i: (0,) * m.ndim)  # noqa: E731
   row = pl.BlockSpec((rows, n), lambda i: (i, 0))
-  scratch = [] if n <= DENSE_MAX else [pltpu.VMEM((rows, n // LANES, LANES), jnp.float32)] * 2
+  s = n // LANES
+  scratch = {"dense": [], "mxu": [pltpu.VMEM((rows, s, LANES), jnp.float32)] * 2,
+             "vpu": [pltpu.VMEM((rows * s, LANES), jnp.float32)] * 2, "vpu_lanes": []}[path]
   mat_bytes = sum(int(m.size) * m.dtype.itemsize for m in mats)
-  need = _vmem_per_row(n) * rows + 2 * mat_bytes
+  need = _vmem_per_row(n, path) * rows + 2 * mat_bytes
   limit = tiling.vmem_limit(need, chip or "v5e", argument="n", value=n)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
-  s = 1 if n <= DENSE_MAX else n // LANES
-  flops = 3 * 2 * batch * n * (n if n <= DENSE_MAX else (s + LANES)) * passes
+  inner = 0 if stage2_on_vpu(path, precision) else {"dense": n, "mxu": s + LANES}.get(path, LANES)
+  flops = 3 * 2 * batch * n * inner * passes  # the MXU's share
   out = pl.pallas_call(
-      functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout),
+      functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
       grid=(tiling.cdiv(batch, rows),),
       in_specs=[full(m) for m in mats] + [row, row],
       out_specs=[row, row],

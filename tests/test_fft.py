@@ -8,7 +8,7 @@ bfloat16 ~5e-3):
 * ``"highest"``: 3e-6; ``"high"`` (bf16x3): 3e-5; ``"bfloat16"`` (one pass): 1.5e-2.
 
 Interpret mode runs the real kernel (both the one-stage and the two-stage code) but slowly,
-so shapes stay small: the two-stage path is exercised at N = 1024 (S = 8) and 1152 (S = 9).
+so shapes stay small: the two-stage paths are exercised at N = 1024 (S = 8), 2048 and 1152 (S = 9).
 """
 import importlib
 
@@ -78,6 +78,37 @@ def test_stage_one_loop_above_s_128():
   assert 128 * 136 <= kfft.block_max("v5e") and 136 > kfft.LOOP_ABOVE
   y = kfft.fft(jnp.asarray(x), precision="high", **PALLAS)
   assert rel(y, np.fft.fft(x.astype(np.complex128))) < BOUND["high"]
+
+
+def test_vpu_first_stage_fft_matches_numpy():
+  # the radix-4/2 FFT across arrays that stage 1 runs on the VPU, on NumPy arrays, at every power of two used
+  rng = np.random.default_rng(0)
+  for s in (1, 2, 4, 8, 32, 128, 512):
+    x = rng.standard_normal((s, 3)) + 1j * rng.standard_normal((s, 3))
+    for inverse in (False, True):
+      yr, yi = kfft._vpu_fft(list(x.real), list(x.imag), inverse)
+      ref = np.fft.ifft(x, axis=0) * s if inverse else np.fft.fft(x, axis=0)
+      assert np.abs(np.array(yr) + 1j * np.array(yi) - ref).max() < 1e-12 * s
+
+
+def test_vpu_128_point_dft_down_the_sublanes():
+  # stage 2 of the 128-row route: 16 points across vregs, the twiddle, a swap, 8 points (NumPy arrays here)
+  x = crand((128, 128), seed=1).astype(np.complex128)
+  for inverse in (False, True):
+    tw = kfft._matrices(4096, inverse, 1.0, "highest", "vpu_lanes")[1]
+    yr, yi = kfft._vpu_dft128(x.real, x.imag, tw, inverse)
+    ref = np.fft.ifft(x, axis=0) * 128 if inverse else np.fft.fft(x, axis=0)
+    assert np.abs(np.asarray(yr) + 1j * np.asarray(yi) - ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("n, batch, path", [(1024, 130, "vpu_lanes"), (2048, 5, "vpu"), (1152, 4, "mxu")])
+def test_two_stage_paths(n, batch, path):
+  # the three two-stage paths: 128-row blocks transposed on whole tiles (a ragged last block here),
+  # 16-row blocks (a strided store and a per-row transpose), and S = 9 (stage 1 as DFT matmuls)
+  assert kfft.plan(batch, n, "v5e")[0] == path
+  x = crand((batch, n), seed=n)
+  for f, ref in ((kfft.fft, np.fft.fft), (kfft.ifft, np.fft.ifft)):
+    assert rel(f(jnp.asarray(x), precision="high", **PALLAS), ref(x.astype(np.complex128))) < BOUND["high"]
 
 
 def test_axis_n_padding_truncation_and_batch_shapes():

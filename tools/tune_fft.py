@@ -55,13 +55,13 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 BENCH_OUT = os.path.join(DATA, "fft_bench.json")
 GENERATIONS = ("v5e", "v6e")
 CASES = {  # name: (full rows, estimated rows, n)
-    "fft4096": (1024, 128, 4096),
+    "fft4096": (1024, 256, 4096),  # 256 rows: two grid steps of the 128-row blocks
     "fft65536": (16, 16, 65536),
 }
 CONV = (8, 768, 8192)  # batch, channels, seq
 CONV_SLICE = (8, 8)  # estimated batch, channels (full / slice = 96): the whole batch, one channel block
-KERNEL_VERSION = 1
-CONV_VERSION = 3  # the fused fft_conv, relayout in VMEM
+KERNEL_VERSION = 2  # stage 1 on the VPU
+CONV_VERSION = 4  # the fused fft_conv, first stage on the VPU
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -90,8 +90,9 @@ def two_stage_jax(x):
 
 
 def _kernel_flops(rows, n):
-  """The matmul FLOPs of our kernel at one pass: 3 real products (Gauss) of each stage."""
-  inner = n if n <= kfft.DENSE_MAX else n // 128 + 128
+  """The least matmul work of our kernel's routes, at one pass: 3 real products (Gauss) of one dense DFT
+  (``n <= 512``) or of one 128-point stage (stage 1 is butterflies on the VPU)."""
+  inner = n if n <= kfft.DENSE_MAX else 128
   return 3 * 2 * rows * n * inner
 
 
@@ -113,7 +114,7 @@ def _program(cfg):
                                                save_spectrum=True)), (u, k)
     if cfg["mode"] == "bwd":  # our backward kernel alone (du and dk, from the saved spectrum)
       w = fft_conv.lane_width(t, cfg["generation"])
-      spectrum = jax.ShapeDtypeStruct((2, b // 2, c, 2 * t // w, w), f32)
+      spectrum = jax.ShapeDtypeStruct((2, b // 2, 2 * t // w, c, w), f32)
       return (lambda z, k, dy: fft_conv._bwd_call(z, k, None, dy, causal=True, precision=precision,
                                                   interpret=False)), (spectrum, k, u)
 
@@ -139,11 +140,11 @@ def _scale(cfg) -> float:
 
 def _roofline_us(cfg, gen) -> float:
   chip = kernels.get_chip(gen)
-  if cfg["case"] == "conv":  # the fused kernels' transforms: half-size first and last matmuls (zero padding)
+  if cfg["case"] == "conv":  # the fused kernels' transforms: one 128-point matmul stage each (stage 1 on the VPU)
     b, c, t = CONV
     fwd_io, bwd_io = 4 * (2 * b * c * t + c * t), 4 * (3 * b * c * t + 2 * c * t)
     fwd_tf, bwd_tf = c + b * c, 2 * c + b * c  # transforms: k, the packed pairs' fft and ifft; k, dy, du, dk
-    one = 3 * 2 * (2 * t) * (t // 128 + 128)  # one transform of length 2t, signal in its first half, one pass
+    one = 3 * 2 * (2 * t) * 128  # the matmul stage of one transform of length 2t, one pass
     fwd, bwd = cfg["mode"] in ("fwd", "fwd_save", "fwdbwd"), cfg["mode"] in ("bwd", "fwdbwd")
     io = fwd * fwd_io + bwd * bwd_io
     flops = one * (fwd * fwd_tf + bwd * bwd_tf)
@@ -227,9 +228,9 @@ def bench(args):
           "not measurements. us is the floored estimate (the model's time, never less than the counted HBM bytes at "
           "the published bandwidth), estimated on a slice of the batch and scaled by slice_scale to the "
           "full batch (rows are independent: work and bytes are linear in them). fraction_of_roofline: the roofline, "
-          "max(HBM time of each input read once and each output written once, MXU time of the kernel's matmul FLOPs "
-          "at one bf16 pass) at the full batch, over us (for conv: the fused kernels' transforms, whose first and "
-          "last matmuls are half size). Cases: fft4096 = fft of [1024, 4096] complex; fft65536 = [16, 65536]; conv = fft_conv at "
+          "max(HBM time of each input read once and each output written once, MXU time of one 128-point DFT stage "
+          "as a matmul at one bf16 pass, the least matmul work of the kernel's routes) at the full batch, over us "
+          "(for conv: that stage for each of the fused kernels' transforms). Cases: fft4096 = fft of [1024, 4096] complex; fft65536 = [16, 65536]; conv = fft_conv at "
           "[8, 768, 8192] causal (fwd, fwd+bwd of u and k) against the jnp.fft.rfft/irfft composition."),
       "generated_by": "tools/tune_fft.py", "kind": "compiler estimate (floored)",
       "environment": {"jax": jax.__version__, "python": platform.python_version()}})
