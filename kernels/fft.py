@@ -208,9 +208,10 @@ def _matrices(n: int, inverse: bool, scale: float, precision: str, path: str = "
   tw = (np.asarray(tr * scale, np.float32), np.asarray(ti * scale, np.float32))
   j = np.arange(LANES)
   f2 = _gauss(*_phase(LANES, j[:, None], j[None, :], inverse), precision)
-  if stage2_on_vpu(path, precision):  # stage 2 on the VPU: its twiddle W_128^(b k_a) at row 8 k_a + b, across the lanes
+  if stage2_on_vpu(path, precision):  # stage 2 on the VPU: its twiddle W_128^(b k_a) at row 8 k_a + b
     ka, b = np.divmod(np.arange(LANES), 8)
-    return (tw, tuple(np.repeat(np.asarray(p, np.float32)[:, None], LANES, axis=1) for p in _phase(LANES, ka, b, inverse)))
+    tw2 = tuple(np.repeat(np.asarray(p, np.float32)[:, None], LANES, axis=1) for p in _phase(LANES, ka, b, inverse))
+    return (tw, tw2)
   if vpu_stage1(n):
     return (tw, f2)
   j = np.arange(s)
@@ -292,8 +293,6 @@ def _root(n: int, e: int, inverse: bool) -> tuple:
   return math.cos(ang), math.sin(ang)
 
 
-
-
 def _add(x, y):
   return x if y is None else y if x is None else x + y
 
@@ -355,8 +354,10 @@ def _vpu_fft(xr: list, xi: list, inverse: bool) -> tuple:
     b0r, b0i, b1r, b1i = _add(a0r, a2r), _add(a0i, a2i), _sub(a0r, a2r), _sub(a0i, a2i)
     b2r, b2i, b3r, b3i = _add(a1r, a3r), _add(a1i, a3i), _sub(a1r, a3r), _sub(a1i, a3i)
     tr, ti = (_neg(b3i), b3r) if inverse else (b3i, _neg(b3r))  # W_4 b3: -i b3 forward, +i b3 inverse
-    outr[k], outi[k], outr[k + 2 * m], outi[k + 2 * m] = _add(b0r, b2r), _add(b0i, b2i), _sub(b0r, b2r), _sub(b0i, b2i)
-    outr[k + m], outi[k + m], outr[k + 3 * m], outi[k + 3 * m] = _add(b1r, tr), _add(b1i, ti), _sub(b1r, tr), _sub(b1i, ti)
+    outr[k], outi[k] = _add(b0r, b2r), _add(b0i, b2i)
+    outr[k + 2 * m], outi[k + 2 * m] = _sub(b0r, b2r), _sub(b0i, b2i)
+    outr[k + m], outi[k + m] = _add(b1r, tr), _add(b1i, ti)
+    outr[k + 3 * m], outi[k + 3 * m] = _sub(b1r, tr), _sub(b1i, ti)
   return outr, outi
 
 
