@@ -144,6 +144,9 @@ def _megablox_gmm(tiling):
 def _ours_gmm(static_sizes, blocks=None):
   from kernels.gmm import GmmBlockSizes, gmm_static_groups
   bs = GmmBlockSizes(*blocks) if blocks else None
+  if bs is not None:  # the custom VJP's gmm and tgmm take the defaults: make these blocks the defaults too
+    gm = importlib.import_module("kernels.gmm")
+    gm.default_block_sizes = lambda generation=None, kernel="gmm": bs
 
   def grouped(gs):
     del gs  # the cost model sees the case's sizes as constants (see the module docstring)
