@@ -62,7 +62,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels import tiling
 from kernels.backend import target_chip
-from kernels.fft import DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul, _cmul_mat, _gauss, _phase, _split, _vpu_fft, vpu_factors
+from kernels.fft import (DENSE_MAX, LANES, TWO_STAGE_MAX, _cmul_mat, _gauss, _phase, _split, _twiddle, _vpu_fft,
+                         vpu_factors)
 from kernels.hardware import get_chip
 
 MAX_ROWS = 8  # channels per grid step: a chunk of 8 rows is one vreg tall
@@ -127,10 +128,7 @@ def _dense(parts, like):
 def _forward(xr, xi, tw, f2, precision):
   """Spectra of a block's rows given as chunk lists (``xi`` all None: real rows): ``[S * rows, L]``
   planes with rows in ``(k2, r)`` order, the kernel's own order (see the module doc)."""
-  s = len(xr)
-  ar, ai = _vpu_fft(xr, xi, inverse=False)
-  tr, ti = tw
-  ys = [_cmul(ar[k], ai[k], tr[k:k + 1], ti[k:k + 1]) for k in range(s)]
+  ys = _twiddle(*_vpu_fft(xr, xi, inverse=False), tw)
   like = next(y[0] for y in ys if y[0] is not None)
   yr, yi = (jnp.concatenate(_dense([y[part] for y in ys], like)) for part in (0, 1))
   return _cmul_mat(yr, yi, f2, precision, left=False)
@@ -142,8 +140,7 @@ def _inverse(pr, pi, h, g2, itw, precision):
   s = itw[0].shape[0]
   vr, vi = _cmul_mat(pr, pi, g2, precision, left=False)
   rows = vr.shape[0] // s
-  tr, ti = itw
-  ws = [_cmul(vr[k * rows:(k + 1) * rows], vi[k * rows:(k + 1) * rows], tr[k:k + 1], ti[k:k + 1]) for k in range(s)]
+  ws = _twiddle([vr[k * rows:(k + 1) * rows] for k in range(s)], [vi[k * rows:(k + 1) * rows] for k in range(s)], itw)
   outr, outi = _vpu_fft([w[0] for w in ws], [w[1] for w in ws], inverse=True)
   return outr[:h], outi[:h]
 

@@ -311,6 +311,12 @@ def _cmul(a, b, c, d):
   return _sub(mul(a, c), mul(b, d)), _add(mul(a, d), mul(b, c))
 
 
+def _twiddle(xr: list, xi: list, tw, rows: int = 1) -> list:
+  """``(xr[k] + i xi[k])`` times rows ``rows k .. rows (k + 1)`` of the twiddle planes ``tw``, for each ``k``."""
+  tr, ti = tw
+  return [_cmul(a, b, tr[rows * k:rows * (k + 1)], ti[rows * k:rows * (k + 1)]) for k, (a, b) in enumerate(zip(xr, xi))]
+
+
 def _cscale(a, b, c: float, d: float):
   """``(a + ib) (c + id)`` for arrays ``a``, ``b`` (None: zero) and constants ``c``, ``d``;
   multiplying by 1, -1 or +-i is free."""
@@ -372,10 +378,9 @@ def _two_stage_vpu(x_refs, o_refs, scratch, tw, stage2, *, n: int, rows: int, pr
   """Stage 1 on the VPU; the twiddle; stage 2 and the transpose into natural order (see the module doc)."""
   s = n // LANES
   xr_ref, xi_ref = x_refs
-  tr, ti = tw
   ar, ai = _vpu_fft([xr_ref[:, j * LANES:(j + 1) * LANES] for j in range(s)],
                     [xi_ref[:, j * LANES:(j + 1) * LANES] for j in range(s)], inverse)
-  ys = [_cmul(ar[k2], ai[k2], tr[k2:k2 + 1], ti[k2:k2 + 1]) for k2 in range(s)]  # [r, f] for each k2
+  ys = _twiddle(ar, ai, tw)  # [r, f] for each k2
   if not lane_rows:  # 16-row blocks: the stage-2 operand in (r, k2) row order by a strided store, then per row
     for k2, y in enumerate(ys):
       for part, ref in zip(y, scratch):
@@ -402,9 +407,8 @@ def _vpu_dft128(yr, yi, tw, inverse: bool) -> list:
   ``f = 8 a + b``: a 16-point FFT across the 16 vregs ``a``, the twiddle ``W_128^(b k_a)``
   (``tw``, row ``8 k_a + b``), a swap of ``a`` and ``b`` (sublanes to a leading axis) and an
   8-point FFT across ``b``, which leaves ``k = k_a + 16 k_b`` in row order."""
-  ur, ui = tw
   vr, vi = _vpu_fft([yr[8 * a:8 * a + 8] for a in range(16)], [yi[8 * a:8 * a + 8] for a in range(16)], inverse)
-  v = [_cmul(r, i, ur[8 * a:8 * a + 8], ui[8 * a:8 * a + 8]) for a, (r, i) in enumerate(zip(vr, vi))]
+  v = _twiddle(vr, vi, tw, rows=8)
   vr, vi = (jnp.swapaxes(jnp.stack([t[part] for t in v]), 0, 1) for part in (0, 1))  # [b, k_a, lanes]
   wr, wi = _vpu_fft([vr[b] for b in range(8)], [vi[b] for b in range(8)], inverse)
   return [jnp.concatenate(wr), jnp.concatenate(wi)]
