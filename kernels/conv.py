@@ -1,4 +1,4 @@
-"""2-D convolution in Pallas: a direct implicit-GEMM kernel and fused Winograd F(2x2,3x3) / F(4x4,3x3).
+"""2-D convolution in Pallas: direct implicit-GEMM kernels and fused Winograd F(2x2,3x3) / F(4x4,3x3).
 
 ``conv2d(x, w)`` takes NHWC inputs and HWIO filters and means exactly
 ``jax.lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=...,
@@ -28,6 +28,19 @@ compute dtype for the MXU. The reshape of a tap ``[rows, width, cin] -> [rows * 
 needs ``width`` to be a multiple of 8: the output width is padded to one. (Two alternatives were
 estimated slower or did not compile: multiplying unshifted bf16 rows and shifting the f32
 products, and DMA windows of the input shifted by one column, which are not tile-aligned.)
+
+*Batches of 8 images ("batched").* When the batch is a multiple of 8 and the convolution is
+stride 1 (undilated, ungrouped), a second kernel avoids shifted reads altogether. Each step
+takes ``nb`` images and swaps their axis onto the sublanes, row by row
+(``[nb, width, c] -> [width, nb, c]`` in VMEM), so that rows and columns are both leading,
+untiled axes. Every tap ``(dy, dx)`` is then a slice of leading axes, and its
+``[rows * width * nb, cin]`` operand a free reshape, whatever the width (no padding to 8
+columns). The output goes back to NHWC by the same swap, row by row. ``nb`` is 8 with an f32
+staging buffer (one f32 sublane tile), or 16 for bf16 batches of 16 (one packed bf16 tile),
+which stages in bf16 and saves the cast of every tap. A step takes all of ``cin`` unless
+VMEM says otherwise (no cin grid axis, no accumulator round trips); ``block_h`` comes from
+the shipped ``batched_target_rows``. The ``kh kw`` taps are unrolled: a loop over kernel
+rows was estimated slower (one iteration's products cannot overlap the next's).
 
 *Blocks.* ``kernels/data/conv_blocks.json`` holds the defaults, from a sweep of the channels
 per block (``tools/tune_conv.py tune``): 512 in and 512 out on v5e and v6e, which spread the
@@ -76,7 +89,8 @@ Backward (``custom_vjp``)
 -------------------------
 
 ``dx`` of a stride-1 undilated conv is the conv of ``dy`` with the spatially flipped,
-IO-transposed filter and padding ``k - 1 - p`` per side: it runs on the direct kernel.
+IO-transposed filter and padding ``k - 1 - p`` per side: it runs on the direct kernels (the
+batched one for batches of 8).
 Strided ``dx`` runs on XLA's transposed convolution (``jax.vjp`` of
 ``lax.conv_general_dilated``): the dilated ``dy`` would make the direct kernel multiply
 ``s^2 - 1`` zeros per useful product. ``dw`` (the correlation of ``x`` with ``dy``) is XLA's
@@ -456,7 +470,7 @@ def _winograd_vmem(p: _Plan, c: _Conv, m: int, x_dtype, out_dtype) -> int:
           + 2 * t * tiling.block_bytes((p.rows_in, wt, max(p.bc, p.bco)), jnp.float32))
 
 
-def _fitted_plan(c: _Conv, blocks: BlockSizes, need, *, tile: int = 1) -> _Plan:
+def _fitted_plan(c: _Conv, blocks: BlockSizes, need, *, tile: int = 1, plan=None) -> _Plan:
   """:func:`_plan`, with its default blocks shrunk until ``need(plan)`` bytes fit the chip's
   VMEM: first the channel blocks, halved down to 128 (the tuned 512 x 512 channels hold
   4.7 MB of bf16 3x3 weights, double-buffered more than half of v4's 16 MiB), then the row
@@ -464,7 +478,7 @@ def _fitted_plan(c: _Conv, blocks: BlockSizes, need, *, tile: int = 1) -> _Plan:
   chip = target_chip() or get_chip("v5e")
   free_cin, free_cout, free_h = blocks.block_cin is None, blocks.block_cout is None, blocks.block_h is None
   while True:
-    p = _plan(c, blocks, tile=tile)
+    p = (plan or _plan)(c, blocks, tile=tile)
     try:
       tiling.vmem_limit(need(p), chip)
       return p
@@ -478,7 +492,8 @@ def _fitted_plan(c: _Conv, blocks: BlockSizes, need, *, tile: int = 1) -> _Plan:
     elif free_cin and p.bc > 128:
       blocks = dataclasses.replace(blocks, block_cin=half(p.bc))
     elif free_h and p.bh > tile:
-      blocks = dataclasses.replace(blocks, target_rows=max(1, p.bh // 2) * p.wo_p)
+      per_row = p.wo_p * (plan.keywords["nb"] if plan is not None else 1)  # GEMM rows per output row
+      blocks = dataclasses.replace(blocks, target_rows=max(1, p.bh // 2) * per_row)
     else:
       return p
 
@@ -528,6 +543,136 @@ def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, preci
   if out.shape != (c.n, c.ho, c.wo, c.cout):
     out = out[:, :c.ho, :c.wo, :c.cout]
   return out
+
+
+# --- the batched direct kernel: images on the sublanes ------------------------------
+
+BATCH_BLOCK = 8  # images per block: one f32 sublane tile (16, one packed bf16 tile, where the batch allows)
+
+
+def batch_block(c: _Conv, dtype) -> int | None:
+  """Images per block of the batched kernel, or None where it does not apply (strides, dilation,
+  groups, a batch that is not a whole number of blocks, or fewer than 128 channels in or out,
+  where the compiled kernel on v4 needed 1.6x our VMEM estimate). bf16 batches of 16 stage in
+  bf16, 16 images to a packed tile, and skip the per-tap casts; others stage 8 images in f32."""
+  if c.strides != (1, 1) or c.dilation != (1, 1) or c.groups != 1 or c.n % BATCH_BLOCK or min(c.cin, c.cout) < 128:
+    return None
+  return 2 * BATCH_BLOCK if jnp.dtype(dtype) == jnp.bfloat16 and c.n % (2 * BATCH_BLOCK) == 0 else BATCH_BLOCK
+
+
+def _staging_dtype(nb: int):
+  return jnp.bfloat16 if nb == 2 * BATCH_BLOCK else jnp.float32
+
+
+def _batched_kernel(x_ref, w_ref, b_ref, o_ref, acc_ref, xt_ref, *, kh, kw, bh, wo, nk, activation, cdt,
+                    precision):
+  k = pl.program_id(3)
+
+  @pl.when(k == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  nb, rows_in, _, c = x_ref.shape
+  for r in range(rows_in):  # [nb, wp, c] -> [wp, nb, c]: images onto the sublanes, rows and columns leading
+    xt_ref[r] = jnp.swapaxes(x_ref[:, r].astype(xt_ref.dtype), 0, 1)
+
+  def row(dy, part):  # each tap is a slice of leading axes: no shifted or strided loads
+    for dx in range(kw):
+      lhs = xt_ref[pl.ds(dy, bh), pl.ds(dx, wo)].reshape(bh * wo * nb, c).astype(cdt)
+      part = part + jnp.dot(lhs, w_ref[dy, dx].astype(cdt), preferred_element_type=jnp.float32,
+                            precision=precision)
+    return part
+  part = jnp.zeros(acc_ref.shape, jnp.float32)
+  for dy in range(kh):
+    part = row(dy, part)
+  acc_ref[...] += part
+
+  @pl.when(k == nk - 1)
+  def _():
+    y = apply_activation(acc_ref[...] + b_ref[...].astype(jnp.float32), activation)
+    y = y.reshape(bh, wo, nb, y.shape[-1])
+    for h in range(bh):  # back to NHWC: images leading again
+      o_ref[:, h] = jnp.swapaxes(y[h], 0, 1).astype(o_ref.dtype)
+
+
+def _batched_plan(c: _Conv, blocks: BlockSizes, *, tile: int = 1, nb: int = BATCH_BLOCK) -> _Plan:
+  """Like :func:`_plan`, but a step's GEMM has ``block_h * wo * nb`` rows (about the shipped
+  ``batched_target_rows``), no width padding (the width is a leading axis here), and all of
+  ``cin`` per step unless VMEM says otherwise."""
+  chip = target_chip()
+  gen = chip.name if chip is not None and chip.name in _MXU else None
+  d = default_block_sizes(gen)
+  bc = _round_blocks(c.cin, blocks.block_cin or c.cin)  # all of cin unless VMEM says otherwise (_fitted_plan)
+  bco = _round_blocks(c.cout, blocks.block_cout or d.block_cout)
+  if blocks.block_h is not None:
+    bh = blocks.block_h
+  else:
+    rows = blocks.target_rows or tiling.block_table("conv").get(gen or "v5e", {}).get("batched_target_rows", 1792)
+    bh = min(c.ho, max(1, rows // (c.wo * nb)))
+    bh = tiling.cdiv(c.ho, tiling.cdiv(c.ho, bh))  # the same steps, balanced: no mostly-empty last block
+  nb = tiling.cdiv(c.ho, bh)
+  rows_in = bh + c.kh - 1
+  return _Plan(bh, bc, bco, tiling.round_up(c.cin, bc), tiling.round_up(c.cout, bco), nb * bh, c.wo, rows_in,
+               (nb - 1) * bh + rows_in, c.wo + c.kw - 1)
+
+
+def _batched_vmem(p: _Plan, c: _Conv, nb: int, x_dtype, out_dtype) -> int:
+  m_rows = p.bh * p.wo_p * nb
+  blocks = [((nb, p.rows_in, p.wp, p.bc), x_dtype), ((c.kh * c.kw, p.bc, p.bco), x_dtype),
+            ((1, p.bco), jnp.float32), ((nb, p.bh, p.wo_p, p.bco), out_dtype)]
+  scratch = [((m_rows, p.bco), jnp.float32), ((p.rows_in, p.wp, nb, p.bc), _staging_dtype(nb))]
+  temps = 3 * tiling.block_bytes((m_rows, max(p.bc, p.bco)), jnp.float32)
+  return tiling.vmem_footprint(blocks, scratch) + temps
+
+
+def _batched_call(x, w, bias, c: _Conv, p: _Plan, nb: int, *, activation, out_dtype, precision, interpret):
+  xp, wq, b = _operands(x, w.astype(x.dtype), bias, c, p)
+  nk = p.cin_p // p.bc
+  grid = (c.n // nb, p.ho_p // p.bh, p.cout_p // p.bco, nk)
+  x_spec = pl.BlockSpec((pl.Element(nb), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
+                        lambda n, i, j, k: (n * nb, i * p.bh, 0, k * p.bc if nk > 1 else 0))
+  w_spec = pl.BlockSpec((c.kh, c.kw, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
+  b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
+  o_spec = pl.BlockSpec((nb, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
+  chip = target_chip() or get_chip("v5e")
+  limit = tiling.vmem_limit(_batched_vmem(p, c, nb, x.dtype, out_dtype), chip)
+  kernel = functools.partial(_batched_kernel, kh=c.kh, kw=c.kw, bh=p.bh, wo=c.wo, nk=nk, activation=activation,
+                             cdt=_cdt(x.dtype, precision), precision=precision)
+  m_rows = p.bh * c.wo * nb
+  flops = 2 * c.n * p.ho_p * c.wo * p.cin_p * p.cout_p * c.kh * c.kw
+  bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + wq.size * wq.dtype.itemsize * grid[0] * grid[1]
+            + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
+  out = pl.pallas_call(
+      kernel, grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
+      out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
+      scratch_shapes=[pltpu.VMEM((m_rows, p.bco), jnp.float32),
+                      pltpu.VMEM((p.rows_in, p.wp, nb, p.bc), _staging_dtype(nb))],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                                           vmem_limit_bytes=limit),
+      interpret=interpret, name="conv2d_direct_batched",
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=bytes_),
+  )(xp, wq, b)
+  if out.shape != (c.n, c.ho, c.wo, c.cout):
+    out = out[..., :c.cout]
+  return out
+
+
+def _direct(x, w, bias, c: _Conv, blocks: BlockSizes, *, activation, out_dtype, precision, interpret):
+  """The direct convolution: the batched kernel where it applies, else the per-image one."""
+  nb = batch_block(c, x.dtype)
+  chip = target_chip() or get_chip("v5e")
+  for nb in sorted({nb, BATCH_BLOCK}, reverse=True) if nb else ():  # 16, else 8 images, else per image (v4's VMEM)
+    p = _fitted_plan(c, blocks, lambda p: _batched_vmem(p, c, nb, x.dtype, out_dtype),
+                     plan=functools.partial(_batched_plan, nb=nb))
+    try:
+      tiling.vmem_limit(_batched_vmem(p, c, nb, x.dtype, out_dtype), chip)
+    except VmemOverflowError:
+      continue
+    return _batched_call(x, w, bias, c, p, nb, activation=activation, out_dtype=out_dtype, precision=precision,
+                         interpret=interpret)
+  p = _fitted_plan(c, blocks, lambda p: _direct_vmem(p, c, x.dtype, out_dtype))
+  return _direct_call(x, w, bias, c, p, activation=activation, out_dtype=out_dtype, precision=precision,
+                      interpret=interpret)
 
 
 # --- the Winograd kernel ------------------------------------------------------------
@@ -637,9 +782,8 @@ def _forward(x, w, bias, c: _Conv, *, algorithm, tile, blocks, activation, out_d
     p = _fitted_plan(c, blocks, lambda p: _winograd_vmem(p, c, tile, x.dtype, out_dtype), tile=tile)
     return _winograd_call(x, u, bias, c, p, tile, activation=activation, out_dtype=out_dtype,
                           precision=precision, interpret=interpret)
-  p = _fitted_plan(c, blocks, lambda p: _direct_vmem(p, c, x.dtype, out_dtype))
-  return _direct_call(x, w, bias, c, p, activation=activation, out_dtype=out_dtype, precision=precision,
-                      interpret=interpret)
+  return _direct(x, w, bias, c, blocks, activation=activation, out_dtype=out_dtype, precision=precision,
+                 interpret=interpret)
 
 
 def _transposed(c: _Conv) -> _Conv:
@@ -683,9 +827,8 @@ def _pallas_entry(x, w, bias, *, c: _Conv, algorithm, tile, blocks, activation, 
     if c.strides == (1, 1):
       ct = _transposed(c)
       w_t = jnp.transpose(w[::-1, ::-1], (0, 1, 3, 2)).astype(x.dtype)
-      p_t = _fitted_plan(ct, blocks, lambda p: _direct_vmem(p, ct, x.dtype, x.dtype))
-      dx = _direct_call(dz_c, w_t, None, ct, p_t, activation=None, out_dtype=x.dtype,
-                        precision=precision, interpret=interpret)
+      dx = _direct(dz_c, w_t, None, ct, blocks, activation=None, out_dtype=x.dtype, precision=precision,
+                   interpret=interpret)
       dw = jax.vjp(lambda w: _lax_conv(x, w, c, precision, preferred=jnp.float32), w.astype(x.dtype))[1](dz)[0]
     else:  # strided dx: XLA's transposed convolution (see the module doc)
       _, conv_vjp = jax.vjp(lambda x, w: _lax_conv(x, w, c, precision, preferred=jnp.float32), x, w.astype(x.dtype))

@@ -93,6 +93,31 @@ def test_direct_matches_oracle_and_lax(kernel, strides, padding):
   assert rel_err(ref, want) < TOL["direct", "float32"]
 
 
+@pytest.mark.parametrize("n,kernel,padding,cin,cout", [
+    (8, 3, "SAME", 128, 128), (16, 1, "VALID", 130, 129), (8, 5, ((2, 1), (0, 3)), 128, 136),
+    (8, 3, ((0, -1), (1, 1)), 128, 128)])
+def test_batched_direct_matches_oracle(n, kernel, padding, cin, cout):
+  # Batches of 8 images (128+ channels, stride 1) take the images-on-sublanes kernel: check that it ran.
+  x, w = rand((n, 7, 6, cin)), rand((kernel, kernel, cin, cout), seed=1, scale=0.1)
+  assert "conv2d_direct_batched" in str(jax.make_jaxpr(lambda x, w: run(x, w, padding=padding, algorithm="direct"))(x, w))
+  got = run(x, w, padding=padding, algorithm="direct", block_sizes=BlockSizes(block_h=3))
+  want = oracle(x, w, (1, 1), padding)
+  assert got.shape == want.shape
+  assert rel_err(got, want) < TOL["direct", "float32"]
+
+
+@pytest.mark.parametrize("n", [8, 16])  # 16 bf16 images: staged in bf16, one packed tile
+def test_batched_direct_bf16_two_channel_blocks_bias_activation(n):
+  x, w, b = rand((n, 5, 9, 130), jnp.bfloat16), rand((3, 3, 130, 140), jnp.bfloat16, 1, 0.1), rand((140,), seed=2)
+  c = C._validate(x, w, (1, 1), "SAME", (1, 1), 1, b)
+  assert C.batch_block(c, x.dtype) == n
+  got = run(x, w, bias=b, activation="relu", algorithm="direct",
+            block_sizes=BlockSizes(block_h=2, block_cin=128, block_cout=128))  # padded cin and cout blocks
+  assert got.dtype == jnp.bfloat16
+  want = np.maximum(oracle(x, w, bias=b), 0)
+  assert rel_err(got, want) < TOL["direct", "bfloat16"]
+
+
 @pytest.mark.parametrize("tile_size,padding", [(2, "SAME"), (4, "SAME"), (2, "VALID"), (4, ((2, 1), (0, 2)))])
 def test_winograd_matches_oracle(tile_size, padding):
   x, w = rand((1, 11, 9, 6)), rand((3, 3, 6, 5), seed=1)
@@ -183,11 +208,13 @@ def test_winograd_filter_transform_is_accepted():
   np.testing.assert_allclose(np.asarray(winograd_filter_transform(w, 2).u), want, atol=1e-6)
 
 
-@pytest.mark.parametrize("strides,activation,algorithm", [
-    ((1, 1), None, "direct"), ((1, 1), "silu", "winograd"), ((2, 2), "relu", "direct"), ((1, 2), None, "direct")])
-def test_gradients_match_lax(strides, activation, algorithm):
-  x, w, b = rand((2, 7, 9, 3)), rand((3, 3, 3, 4), seed=1), rand((4,), seed=2)
-  dy = rand((2, -(-7 // strides[0]), -(-9 // strides[1]), 4), seed=3)
+@pytest.mark.parametrize("strides,activation,algorithm,n", [
+    ((1, 1), None, "direct", 2), ((1, 1), "silu", "winograd", 2), ((2, 2), "relu", "direct", 2),
+    ((1, 2), None, "direct", 2), ((1, 1), "relu", "direct", 8)])  # n = 8: the batched kernel, forward and dx
+def test_gradients_match_lax(strides, activation, algorithm, n):
+  ci, co = (128, 128) if n == 8 else (3, 4)  # the batched kernel takes 128+ channels
+  x, w, b = rand((n, 7, 9, ci)), rand((3, 3, ci, co), seed=1, scale=0.1), rand((co,), seed=2)
+  dy = rand((n, -(-7 // strides[0]), -(-9 // strides[1]), co), seed=3)
 
   def ours(x, w, b):
     return run(x, w, bias=b, strides=strides, activation=activation, algorithm=algorithm,
@@ -289,7 +316,8 @@ def test_aot_compiles_strided_and_odd_channels(generation):
 
 
 BENCH_SHAPES = [(32, 56, 256), (32, 28, 512), (32, 14, 1024), (8, 224, 64)]  # the notebook's ResNet shapes
-AOT_BATCH = 2  # the batch is a grid axis only: the plan, blocks and Mosaic kernel do not depend on it
+AOT_BATCH = 2  # beyond the choice of kernel (below), the batch is a grid axis only
+BATCH_BLOCK = C.BATCH_BLOCK
 
 
 @pytest.mark.tpu_aot
@@ -309,6 +337,11 @@ def test_aot_compiles_benchmark_shapes(generation):
       return (y,) + vjp(dy)
     comp = kernels.compile_for_tpu(fwd_bwd, x, w, x, generation=generation, profile=False)
     assert comp.hlo.count("conv2d_direct") >= 2, (n, hw, c)  # the forward and dx
+    xb = jax.ShapeDtypeStruct((2 * BATCH_BLOCK, hw, hw, c), jnp.bfloat16)  # the benchmark's batches: 16 images a step
+    comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w, algorithm="direct", implementation="pallas", interpret=False),
+                                   xb, w, generation=generation, profile=False)
+    # (below 128 channels, or where v4's 16 MiB hold no batched plan, the per-image kernel runs)
+    assert ("conv2d_direct_batched" if c >= 128 and generation != "v4" else "conv2d_direct") in comp.hlo, (hw, c)
     comp = kernels.compile_for_tpu(
         lambda x, w: conv2d(x, w, algorithm="winograd", tile_size=4, implementation="pallas", interpret=False),
         x, w, generation=generation, profile=False)

@@ -16,8 +16,10 @@ bound and is never counted as a win or a loss.
   convolution's FLOPs (``2 N H W 9 Cin Cout``) against the compulsory bytes (x, w, y once):
   a Winograd "fraction of roofline" above 1 is expected (it does fewer multiplies), so its
   ``valid`` flag (which assumes the direct FLOPs) is not a verdict on it.
-* ``tune`` -> ``kernels/data/conv_blocks.json``: a small sweep of the direct kernel's blocks
-  (channels per block x GEMM rows per step) at one shape per generation.
+* ``tune`` -> ``kernels/data/conv_blocks.json``: a small sweep of the per-image direct kernel's
+  blocks (channels per block x GEMM rows per step) at one shape per generation.
+* ``tune_batched`` -> the same file's ``batched_target_rows``: GEMM rows per step of the batched
+  direct kernel, at one shape per generation, batch 16.
 
 The cost model's profile of our kernels at N=32 grew past 9 GB of memory on the 24 GB build
 host (the direct kernel at 28x28x512), so ``--batch`` runs every program of a comparison at a
@@ -55,7 +57,7 @@ SHAPES = {"56x56x256": (32, 56, 256), "28x28x512": (32, 28, 512), "14x14x1024": 
           "224x224x64": (8, 224, 64)}
 GENERATIONS = ("v5e", "v6e")
 IMPLS = ("xla", "jax_f2", "jax_f4", "direct", "winograd_f2", "winograd_f4")
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2  # 2: batches of 8 images take the batched direct kernel
 
 
 def winograd_jax(x, w, tile_size: int):
@@ -202,9 +204,41 @@ def tune(args):
   result_tables.save(table, BLOCKS_OUT)
 
 
+# The batched kernel at batch 16 (16 bf16 images a step, as at the benchmark's batches): GEMM rows per
+# step, i.e. block_h = rows // (width * 16); at 28x28: 2, 4, 7.
+BATCHED_SWEEP = (896, 1792, 3136)
+BATCHED_TUNE_BATCH = 16
+
+
+def tune_batched(args):
+  """``batched_target_rows`` per generation, from the batched kernel at TUNE_SHAPE, batch 16."""
+  table = result_tables.load(BLOCKS_OUT)
+  defaults = table.setdefault("defaults", {})
+  _, h, c = SHAPES[TUNE_SHAPE]
+  for gen in args.generations:
+    sweep = {}
+    for rows in BATCHED_SWEEP:
+      cfg = dict(generation=gen, impl="direct", mode="fwd", shape=[BATCHED_TUNE_BATCH, h, c],
+                 blocks=dict(target_rows=rows))
+      r = estimate_isolated(cfg)
+      sweep[str(rows)] = {"us": r.get("us"), "complete": r.get("complete"), "error": r.get("error")}
+      print(gen, "batched", rows, r.get("us"), r.get("complete"), r.get("error", ""), flush=True)
+    ok = {k: v["us"] for k, v in sweep.items() if v["us"] is not None and v["complete"]}
+    if not ok:
+      continue
+    best = min(ok, key=ok.get)
+    entry = defaults.setdefault(gen, {})
+    entry.update(batched_target_rows=int(best), batched=dict(batch=BATCHED_TUNE_BATCH, us=ok[best], kernel=KERNEL_VERSION,
+                                                             tuned=datetime.date.today().isoformat(), sweep=sweep))
+    if gen == "v5e":
+      for other in ("v5p", "v4"):
+        defaults.setdefault(other, {}).update(batched_target_rows=int(best))
+  result_tables.save(table, BLOCKS_OUT)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("job", choices=("bench", "tune", "one"))
+  ap.add_argument("job", choices=("bench", "tune", "tune_batched", "one"))
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
@@ -219,7 +253,7 @@ def main(argv=None):
   if args.job == "one":
     result_tables.print_result(estimate, args.config)
   else:
-    {"bench": bench, "tune": tune}[args.job](args)
+    {"bench": bench, "tune": tune, "tune_batched": tune_batched}[args.job](args)
 
 
 if __name__ == "__main__":
