@@ -512,37 +512,43 @@ def _operands(x, w, bias, c: _Conv, p: _Plan):
   return _pad_input(x, c, p), w, b.reshape(1, p.cout_p)
 
 
-def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, precision, interpret):
-  sh, sw = c.strides
+def _direct_pallas(kernel, x, w, bias, c: _Conv, p: _Plan, nb: int, scratch, vmem: int, *, out_dtype, interpret,
+                   name):
+  """The pallas_call both direct kernels share: grid ``(image blocks of nb, row blocks, cout
+  blocks, cin blocks)``, the input rows with their halo as overlapping ``pl.Element`` windows."""
+  sh = c.strides[0]
   xp, wq, b = _operands(x, w.astype(x.dtype), bias, c, p)
   nk = p.cin_p // p.bc
-  grid = (c.n, p.ho_p // p.bh, p.cout_p // p.bco, nk)
-  m_rows = p.bh * p.wo_p
-  x_spec = pl.BlockSpec((pl.Element(1), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
-                        lambda n, i, j, k: (n, i * p.bh * sh, 0, k * p.bc if nk > 1 else 0))
+  grid = (c.n // nb, p.ho_p // p.bh, p.cout_p // p.bco, nk)
+  x_spec = pl.BlockSpec((pl.Element(nb), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
+                        lambda n, i, j, k: (n * nb, i * p.bh * sh, 0, k * p.bc if nk > 1 else 0))
   w_spec = pl.BlockSpec((c.kh, c.kw, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
-  o_spec = pl.BlockSpec((1, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
-  chip = target_chip() or get_chip("v5e")
-  limit = tiling.vmem_limit(_direct_vmem(p, c, x.dtype, out_dtype), chip)
-  kernel = functools.partial(_direct_kernel, kh=c.kh, kw=c.kw, sh=sh, sw=sw, bh=p.bh, wo_p=p.wo_p, nk=nk,
-                             activation=activation, cdt=_cdt(x.dtype, precision), precision=precision)
+  o_spec = pl.BlockSpec((nb, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
+  limit = tiling.vmem_limit(vmem, target_chip() or get_chip("v5e"))
   flops = 2 * c.n * p.ho_p * p.wo_p * p.cin_p * p.cout_p * c.kh * c.kw
   bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + wq.size * wq.dtype.itemsize * grid[0] * grid[1]
             + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
   out = pl.pallas_call(
-      kernel, grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
+      functools.partial(kernel, nk=nk), grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
       out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
-      scratch_shapes=[pltpu.VMEM((m_rows, p.bco), jnp.float32),
-                      pltpu.VMEM((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32)],
+      scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=limit),
-      interpret=interpret, name="conv2d_direct",
+      interpret=interpret, name=name,
       cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=bytes_),
   )(xp, wq, b)
-  if out.shape != (c.n, c.ho, c.wo, c.cout):
-    out = out[:, :c.ho, :c.wo, :c.cout]
-  return out
+  return out[..., :c.cout] if p.cout_p != c.cout else out
+
+
+def _direct_call(x, w, bias, c: _Conv, p: _Plan, *, activation, out_dtype, precision, interpret):
+  sh, sw = c.strides
+  kernel = functools.partial(_direct_kernel, kh=c.kh, kw=c.kw, sh=sh, sw=sw, bh=p.bh, wo_p=p.wo_p,
+                             activation=activation, cdt=_cdt(x.dtype, precision), precision=precision)
+  scratch = [pltpu.VMEM((p.bh * p.wo_p, p.bco), jnp.float32),
+             pltpu.VMEM((tiling.cdiv(p.bc, 128), p.rows_in, p.wp, 128), jnp.float32)]
+  return _direct_pallas(kernel, x, w, bias, c, p, 1, scratch, _direct_vmem(p, c, x.dtype, out_dtype),
+                        out_dtype=out_dtype, interpret=interpret, name="conv2d_direct")
 
 
 # --- the batched direct kernel: images on the sublanes ------------------------------
@@ -626,35 +632,12 @@ def _batched_vmem(p: _Plan, c: _Conv, nb: int, x_dtype, out_dtype) -> int:
 
 
 def _batched_call(x, w, bias, c: _Conv, p: _Plan, nb: int, *, activation, out_dtype, precision, interpret):
-  xp, wq, b = _operands(x, w.astype(x.dtype), bias, c, p)
-  nk = p.cin_p // p.bc
-  grid = (c.n // nb, p.ho_p // p.bh, p.cout_p // p.bco, nk)
-  x_spec = pl.BlockSpec((pl.Element(nb), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
-                        lambda n, i, j, k: (n * nb, i * p.bh, 0, k * p.bc if nk > 1 else 0))
-  w_spec = pl.BlockSpec((c.kh, c.kw, p.bc, p.bco), lambda n, i, j, k: (0, 0, k, j))
-  b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
-  o_spec = pl.BlockSpec((nb, p.bh, c.wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
-  chip = target_chip() or get_chip("v5e")
-  limit = tiling.vmem_limit(_batched_vmem(p, c, nb, x.dtype, out_dtype), chip)
-  kernel = functools.partial(_batched_kernel, kh=c.kh, kw=c.kw, bh=p.bh, wo=c.wo, nk=nk, activation=activation,
+  kernel = functools.partial(_batched_kernel, kh=c.kh, kw=c.kw, bh=p.bh, wo=c.wo, activation=activation,
                              cdt=_cdt(x.dtype, precision), precision=precision)
-  m_rows = p.bh * c.wo * nb
-  flops = 2 * c.n * p.ho_p * c.wo * p.cin_p * p.cout_p * c.kh * c.kw
-  bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + wq.size * wq.dtype.itemsize * grid[0] * grid[1]
-            + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
-  out = pl.pallas_call(
-      kernel, grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
-      out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
-      scratch_shapes=[pltpu.VMEM((m_rows, p.bco), jnp.float32),
-                      pltpu.VMEM((p.rows_in, p.wp, nb, p.bc), _staging_dtype(nb))],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                                           vmem_limit_bytes=limit),
-      interpret=interpret, name="conv2d_direct_batched",
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=bytes_),
-  )(xp, wq, b)
-  if out.shape != (c.n, c.ho, c.wo, c.cout):
-    out = out[..., :c.cout]
-  return out
+  scratch = [pltpu.VMEM((p.bh * c.wo * nb, p.bco), jnp.float32),
+             pltpu.VMEM((p.rows_in, p.wp, nb, p.bc), _staging_dtype(nb))]
+  return _direct_pallas(kernel, x, w, bias, c, p, nb, scratch, _batched_vmem(p, c, nb, x.dtype, out_dtype),
+                        out_dtype=out_dtype, interpret=interpret, name="conv2d_direct_batched")
 
 
 def _direct(x, w, bias, c: _Conv, blocks: BlockSizes, *, activation, out_dtype, precision, interpret):
