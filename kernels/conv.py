@@ -29,8 +29,9 @@ needs ``width`` to be a multiple of 8: the output width is padded to one. (Two a
 estimated slower or did not compile: multiplying unshifted bf16 rows and shifting the f32
 products, and DMA windows of the input shifted by one column, which are not tile-aligned.)
 
-*Batches of 8 images ("batched").* When the batch is a multiple of 8 and the convolution is
-stride 1 (undilated, ungrouped), a second kernel avoids shifted reads altogether. Each step
+*Batches of 8 images ("batched").* When the batch is a multiple of 8, the convolution is
+stride 1 (undilated, ungrouped) and has at least 128 channels in and out, a second kernel
+avoids shifted reads altogether. Each step
 takes ``nb`` images and swaps their axis onto the sublanes, row by row
 (``[nb, width, c] -> [width, nb, c]`` in VMEM), so that rows and columns are both leading,
 untiled axes. Every tap ``(dy, dx)`` is then a slice of leading axes, and its
