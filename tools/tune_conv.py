@@ -121,6 +121,19 @@ def estimate(cfg) -> dict:
   r.update(complete=e.complete, compile_seconds=round(e.compile_seconds, 1), flops=flops, bytes=bytes_)
   if e.unmodeled:
     r["notes"] = [n for n in e.notes if "charged 0 cycles" in n][:4]
+    r = incomplete(r)
+  return r
+
+
+def incomplete(r: dict) -> dict:
+  """An estimate the model left partly uncharged is a lower bound, not an estimate: stored as an
+  error with its bound, without ``us`` or a fraction of the roofline."""
+  bound = r.pop("us")
+  for k in ("fraction_of_roofline", "valid", "floored"):
+    r.pop(k, None)
+  r.update(lower_bound_us=bound, error=(
+      f"incomplete: the cost model charged {', '.join(r.get('unmodeled', [])) or 'part of the work'} 0 cycles "
+      f"(model {r.get('model_us')} us, HBM floor {r.get('floor_us')} us): a lower bound, not an estimate"))
   return r
 
 
