@@ -24,7 +24,7 @@ from kernels.fft import fft, fft2, fft_conv, fft_conv_reference, ifft, ifft2, ir
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.timing import Measurement, benchmark
-from kernels.tpu import Estimate, TpuCompilation, compile_for_tpu, estimate_tpu, estimator_available, hbm_traffic
+from kernels.tpu import Estimate, TpuCompilation, compile_for_tpu, estimate_tpu, estimate_tpu_pieces, estimator_available, hbm_traffic
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ __all__ = [
     "fft", "fft2", "fft_conv", "fft_conv_reference", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
-    "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimator_available", "get_chip",
+    "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimate_tpu_pieces", "estimator_available", "get_chip",
     "hbm_traffic",
     "matmul_cost", "roofline_of", "target_chip",
 ]

@@ -22,6 +22,8 @@
     flagged invalid;
   - it aborts the process on a few programs (``isolate=True`` contains that).
 * :func:`hbm_traffic` counts the bytes a compiled program moves between HBM and the chip.
+* :func:`estimate_tpu_pieces` estimates a program as the sum of its pieces cut at its
+  Pallas kernels, for programs whose profiled compile fails though the plain one passes.
 """
 from __future__ import annotations
 
@@ -429,6 +431,8 @@ class Estimate:
   """Ops that do real work but that the model charged 0 cycles (collectives, some
   convolution fusions) or charged once for many runs (loops of unknown trip count)."""
   notes: list[str] = dataclasses.field(default_factory=list)
+  pieces: list[tuple[str, "Estimate"]] = dataclasses.field(default_factory=list)
+  """For :func:`estimate_tpu_pieces`: each piece's own estimate, in program order."""
 
   @property
   def model_seconds(self) -> float:
@@ -442,12 +446,17 @@ class Estimate:
 
   @property
   def seconds(self) -> float:
-    """The floored estimate: ``max(model_seconds, floor_seconds)``."""
+    """The floored estimate: ``max(model_seconds, floor_seconds)``; for pieces, the sum of
+    each piece's (they run one after another, each bound by its own compute or bytes)."""
+    if self.pieces:
+      return sum(p.seconds for _, p in self.pieces)
     return max(self.model_seconds, self.floor_seconds)
 
   @property
   def floored(self) -> bool:
-    """True when the bandwidth floor, not the model, sets ``seconds``."""
+    """True when the bandwidth floor, not the model, sets ``seconds`` (of some piece)."""
+    if self.pieces:
+      return any(p.floored for _, p in self.pieces)
     return self.floor_seconds > self.model_seconds
 
   @property
@@ -495,6 +504,9 @@ class Estimate:
       r["fraction_of_roofline"] = round(self.fraction_of_roofline, 4)
     if self.unmodeled:
       r["unmodeled"] = list(self.unmodeled)
+    if self.pieces:
+      r["pieces"] = [dict(name=n, kernel=not n.endswith(":xla"), **{k: p.record()[k] for k in ("us", "model_us", "floor_us")})
+                     for n, p in self.pieces]
     return r
 
   def __str__(self) -> str:
@@ -639,6 +651,52 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
   rl = roofline(flops, bytes_accessed, chip, dtype) if flops is not None and bytes_accessed is not None else None
   return Estimate(chip.name, sum(charged.values()), charged, chip.clock_hz, rl, comp.compile_seconds,
                   comp.vmem_bytes, t.hbm_bytes, chip.hbm_bandwidth, t.method, unmodeled, notes)
+
+
+def estimate_tpu_pieces(fn: Callable, *args, generation: str = "v5e", flops: float | None = None,
+                        bytes_accessed: float | None = None, dtype="bfloat16", isolate: bool = False,
+                        **kwargs) -> Estimate:
+  """:func:`estimate_tpu` of ``fn(*args, **kwargs)`` as the sum of its pieces, cut at its
+  Pallas kernels: each kernel alone, and the XLA ops between two kernels as one program
+  (``kernels/_pieces.py``). Each piece is estimated and floored on its own, and
+  ``seconds`` is their sum: a TPU core runs the ops one after another, and no XLA op fuses
+  into a Pallas kernel, so only fusions across a kernel are lost (each piece's outputs go
+  through HBM), which makes the sum an upper bound of the whole's estimate.
+
+  For programs the profiled compile rejects whole: libtpu's compile with the cost model's
+  flag reserves about 100 to 130 MiB of VMEM for XLA temporaries beside a Pallas kernel's
+  window (a sort, a gather or a top-k beside a kernel with a large window), though the
+  plain compile of the same program passes. A piece that the model charges nothing
+  because it only reshapes or slices is charged its bytes at the published bandwidth.
+  """
+  from kernels import _pieces
+  chip = get_chip(generation)
+  f = functools.partial(fn, **kwargs) if kwargs else fn
+  with _lock, target(chip):
+    parts = _pieces.cut(f, *_plain(args)).pieces
+  done: list[tuple[str, Estimate]] = []
+  for i, p in enumerate(parts):
+    label = f"{i}:{p.name}"
+    try:
+      e = estimate_tpu(p.fn, *p.inputs, generation=chip.name, isolate=isolate)
+    except EstimatorUnavailableError as err:
+      if "adds up to 0 cycles" not in str(err) or p.kernel:
+        raise
+      t = hbm_traffic(p.fn, *p.inputs, generation=chip.name)  # only layout ops: its bytes, at the bandwidth
+      e = Estimate(chip.name, 0, {}, chip.clock_hz, None, 0.0, None, t.hbm_bytes, chip.hbm_bandwidth, t.method)
+    done.append((label, e))
+  rl = roofline(flops, bytes_accessed, chip, dtype) if flops is not None and bytes_accessed is not None else None
+  ops: dict[str, int] = {}
+  for name, e in done:
+    for op, c in e.ops.items():
+      ops[f"{name}/{op}"] = c
+  methods = {e.bytes_method for _, e in done}
+  return Estimate(chip.name, sum(e.cycles for _, e in done), ops, chip.clock_hz, rl,
+                  sum(e.compile_seconds for _, e in done),
+                  max((e.vmem_bytes or 0 for _, e in done), default=None), sum(e.hbm_bytes for _, e in done),
+                  chip.hbm_bandwidth, methods.pop() if len(methods) == 1 else "partly compulsory",
+                  [f"{name}/{u}" for name, e in done for u in e.unmodeled],
+                  [f"{name}: {n}" for name, e in done for n in e.notes], done)
 
 
 def estimates_table(rows: list[tuple[str, Estimate]]) -> list[dict]:

@@ -93,6 +93,26 @@ def test_estimate_is_positive_labelled_and_below_roofline():
   assert any("matmul" in name or "pallas" in name for name in e.ops)
 
 
+def test_estimate_in_pieces_sums_its_pieces_and_prices_a_kernel_as_alone():
+  """estimate_tpu_pieces: the XLA ops before, between and after two kernels are three programs;
+  each kernel's piece is the same program as the kernel estimated alone."""
+  def prog(a, b):
+    h = toy.matmul(jnp.tanh(a), b, bm=256, bk=512, bn=512)
+    return jnp.sum(toy.matmul(h * 2, b, bm=256, bk=512, bn=512).astype(jnp.float32) ** 2)
+  args = sds(1024, 1024), sds(1024, 1024)
+  e = kernels.estimate_tpu_pieces(prog, *args, generation="v5e")
+  names = [n for n, _ in e.pieces]
+  kinds = [n.split(":")[1] for n in names]
+  assert kinds[::2] == ["xla"] * 3 and "xla" not in kinds[1::2] and len(kinds) == 5, names
+  assert e.seconds == pytest.approx(sum(p.seconds for _, p in e.pieces))
+  assert e.seconds >= max(e.model_seconds, e.floor_seconds) * (1 - 1e-9) and e.complete
+  alone = kernels.estimate_tpu(toy.matmul, *args, generation="v5e", bm=256, bk=512, bn=512)
+  assert e.pieces[1][1].cycles == alone.cycles and e.pieces[1][1].hbm_bytes == alone.hbm_bytes
+  rec = e.record()
+  assert [p["name"] for p in rec["pieces"]] == names and [p["kernel"] for p in rec["pieces"]] == [
+      False, True, False, True, False]
+
+
 def test_a_pallas_kernel_the_model_does_not_charge_makes_the_estimate_incomplete():
   # libtpu's cost model charges some Pallas kernels 0 cycles without a word (here: 5-D blocks).
   # Such a kernel must land in ``unmodeled``: the estimate is then incomplete, never a silent 0.

@@ -40,6 +40,14 @@ as written, and ``--compare-permutations`` estimates both where the gather compi
 checks the stand-in (``permutation_check`` in the file). megablox's own group-table code
 also contains gathers, so megablox cannot be estimated on v5e at all.
 
+*Pieces.* libtpu's profiled compile fails on VMEM whenever our ``gmm`` shares a program
+with XLA work that uses VMEM (a sort, a top-k, a gather), though the plain compile passes.
+``--pieces`` estimates a grouped layer with :func:`kernels.estimate_tpu_pieces`: cut at its
+Pallas kernels, each kernel alone and the XLA ops between two kernels as one program, the
+floored estimates added (``pieces`` in the record lists them). With the gathers in pieces
+of their own, the v6e layer can be estimated as written (``--permutation gather``).
+``--pieces-check`` estimates stored whole-layer records in pieces (``pieces_check``).
+
 *Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
 is stopped above ``--max-rss-gb`` (8). When the full layer does not fit, the program
 is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``; ``--f-slices``)
@@ -220,6 +228,7 @@ def _grouped(cfg, gs):
 
 
 PARTS = ("routing", "experts")
+PIECES = "sum of pieces cut at the Pallas kernels (kernels.estimate_tpu_pieces), each estimated and floored alone"
 
 
 def part_program(cfg):
@@ -293,7 +302,8 @@ def estimate_here(cfg) -> dict:
   fn, args = program(cfg)
   case = _case(cfg)
   whole = not cfg.get("part")
-  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
+  estimator = kernels.estimate_tpu_pieces if cfg.get("pieces") else kernels.estimate_tpu
+  e = estimator(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
                            bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
   r = e.record()
   r.update(compile_seconds=round(e.compile_seconds, 1))
@@ -418,6 +428,8 @@ def bench(args):
         for impl in args.impls:
           for mode in args.modes:
             key = f"{gen}/{case}/{groups}/{impl}/{mode}"
+            if args.pieces and impl != "dense":
+              key += "/pieces"  # beside the whole-program record of the same layer, if any
             if args.split_check:  # the split against a stored whole-layer estimate
               whole = results.get(key, {})
               if "us" in whole and not whole.get("split") and impl != "dense":
@@ -425,6 +437,16 @@ def bench(args):
                 table.setdefault("split_check", {})[key] = {"whole_us": whole["us"], "split_us": c.get("us"),
                                                             "error": c.get("error")}
                 print(key, "whole", whole["us"], "split", c.get("us"), c.get("error", ""), flush=True)
+                result_tables.save(table, OUT)
+              continue
+            if args.pieces_check:  # the sum of pieces against a stored whole-layer estimate
+              whole = results.get(key, {})
+              if "us" in whole and not whole.get("split") and not whole.get("pieces") and impl != "dense":
+                cfg = {k: whole[k] for k in ("generation", "case", "groups", "impl", "mode", "permutation")}
+                c = estimate_isolated(dict(cfg, pieces=True), args.max_rss_gb)
+                table.setdefault("pieces_check", {})[key] = {"whole_us": whole["us"], "pieces_us": c.get("us"),
+                                                             "error": c.get("error"), "pieces": c.get("pieces")}
+                print(key, "whole", whole["us"], "pieces", c.get("us"), c.get("error", ""), flush=True)
                 result_tables.save(table, OUT)
               continue
             if key in results and "us" in results[key] and not args.force:
@@ -439,10 +461,14 @@ def bench(args):
             else:
               if args.split and impl != "dense":
                 cfg["split"] = True
+              if args.pieces and impl != "dense":
+                cfg["pieces"] = True
               r = estimate(cfg, args.max_rss_gb, args.skip_full)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             if cfg.get("blocks"):
               r["method"] += f"; blocks {tuple(cfg['blocks'])}, not the defaults"
+            if cfg.get("pieces"):
+              r["method"] += "; " + PIECES
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
             result_tables.save(table, OUT)
@@ -479,6 +505,10 @@ def main(argv=None):
                   help="estimate the split of each stored whole-layer record and keep both (split_check)")
   ap.add_argument("--split", action="store_true",
                   help="estimate a grouped layer as the sum of its routing and experts halves (estimate_split)")
+  ap.add_argument("--pieces", action="store_true",
+                  help="estimate a grouped layer as the sum of its pieces cut at the Pallas kernels (estimate_tpu_pieces)")
+  ap.add_argument("--pieces-check", action="store_true",
+                  help="estimate each stored whole-layer record in pieces and keep both (pieces_check)")
   ap.add_argument("--ours-blocks", nargs=3, type=int, metavar=("TM", "TK", "TN"),
                   help="ours with these gmm/tgmm blocks instead of the per-generation defaults (said in 'method')")
   ap.add_argument("--compare-permutations", action="store_true",
