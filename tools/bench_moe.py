@@ -302,7 +302,7 @@ def estimate_here(cfg) -> dict:
   fn, args = program(cfg)
   case = _case(cfg)
   whole = not cfg.get("part")
-  estimator = kernels.estimate_tpu_pieces if cfg.get("pieces") else kernels.estimate_tpu
+  estimator = kernels.estimate_tpu_pieces if cfg.get("in_pieces") else kernels.estimate_tpu
   e = estimator(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
                            bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
   r = e.record()
@@ -441,9 +441,9 @@ def bench(args):
               continue
             if args.pieces_check:  # the sum of pieces against a stored whole-layer estimate
               whole = results.get(key, {})
-              if "us" in whole and not whole.get("split") and not whole.get("pieces") and impl != "dense":
+              if "us" in whole and not whole.get("split") and not whole.get("in_pieces") and impl != "dense":
                 cfg = {k: whole[k] for k in ("generation", "case", "groups", "impl", "mode", "permutation")}
-                c = estimate_isolated(dict(cfg, pieces=True), args.max_rss_gb)
+                c = estimate_isolated(dict(cfg, in_pieces=True), args.max_rss_gb)
                 table.setdefault("pieces_check", {})[key] = {"whole_us": whole["us"], "pieces_us": c.get("us"),
                                                              "error": c.get("error"), "pieces": c.get("pieces")}
                 print(key, "whole", whole["us"], "pieces", c.get("us"), c.get("error", ""), flush=True)
@@ -462,12 +462,12 @@ def bench(args):
               if args.split and impl != "dense":
                 cfg["split"] = True
               if args.pieces and impl != "dense":
-                cfg["pieces"] = True
+                cfg["in_pieces"] = True
               r = estimate(cfg, args.max_rss_gb, args.skip_full)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             if cfg.get("blocks"):
               r["method"] += f"; blocks {tuple(cfg['blocks'])}, not the defaults"
-            if cfg.get("pieces"):
+            if cfg.get("in_pieces"):
               r["method"] += "; " + PIECES
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
