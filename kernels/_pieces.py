@@ -6,8 +6,8 @@ runs: each ``pallas_call`` alone, and the XLA equations between two kernels as o
 piece becomes a function of the values it reads from earlier pieces (or from the program's
 inputs) that returns the values later pieces (or the program's outputs) read. A TPU core
 runs a program's ops one after another, and XLA cannot fuse an op into a Pallas kernel, so
-the pieces' times add up to the program's, apart from fusions that would have crossed a
-kernel (each piece's outputs go through HBM, as a kernel's inputs and outputs do anyway).
+the pieces' times come close to the program's; what differs is the fusions that would have
+crossed a kernel (each piece's outputs go through HBM, as a kernel's inputs and outputs do).
 """
 from __future__ import annotations
 

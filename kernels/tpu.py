@@ -660,8 +660,9 @@ def estimate_tpu_pieces(fn: Callable, *args, generation: str = "v5e", flops: flo
   Pallas kernels: each kernel alone, and the XLA ops between two kernels as one program
   (``kernels/_pieces.py``). Each piece is estimated and floored on its own, and
   ``seconds`` is their sum: a TPU core runs the ops one after another, and no XLA op fuses
-  into a Pallas kernel, so only fusions across a kernel are lost (each piece's outputs go
-  through HBM), which makes the sum an upper bound of the whole's estimate.
+  into a Pallas kernel. The sum is not the whole's estimate: values that cross a kernel go
+  through HBM, some fusions are lost, and each piece is floored alone, so it usually comes
+  out above it (the MoE notebook compares the two where both exist).
 
   For programs the profiled compile rejects whole: libtpu's compile with the cost model's
   flag reserves about 100 to 130 MiB of VMEM for XLA temporaries beside a Pallas kernel's

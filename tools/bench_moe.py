@@ -304,7 +304,7 @@ def estimate_here(cfg) -> dict:
   whole = not cfg.get("part")
   estimator = kernels.estimate_tpu_pieces if cfg.get("in_pieces") else kernels.estimate_tpu
   e = estimator(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
-                           bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
+                bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
   r = e.record()
   r.update(compile_seconds=round(e.compile_seconds, 1))
   return r
