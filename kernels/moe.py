@@ -54,14 +54,17 @@ How the layer works
 ``moe`` routes, then *permutes* the tokens (a gather of row ``order // top_k``, so each
 token appears once per choice), then runs the gate and up projections as one ``gmm``
 over the experts' concatenated ``[d, 2f]`` weights, then ``activation(gate) * up``, then
-the down projection as a second ``gmm``, then *unpermutes* (a gather by each
-assignment's row, ``Routing.position``) and combines each token's ``top_k`` rows
-weighted by the routing weights, in f32.
+the down projection as a second ``gmm``, then *combines*: each token gathers its
+``top_k`` rows (by ``Routing.position``) and sums them weighted by the routing weights,
+in f32.
 
-The permutations are gathers both ways: the forward gathers rows, and its custom VJP
-gathers the cotangent by the inverse permutation (summing a token's ``top_k`` copies)
-instead of the scatter-add that automatic differentiation would emit for a gather (a
-scatter is serialised on a TPU). The grouped matmuls' backward is :func:`kernels.gmm.gmm`'s
+The permutations are gathers both ways: each forward gathers rows, and its custom VJP
+gathers the cotangent by the inverse permutation (the dispatch's summing a token's
+``top_k`` copies) instead of the scatter-add that automatic differentiation would emit
+for a gather (a scatter is serialised on a TPU). A gather that feeds a sum over a
+token's choices is written as ``top_k`` gathers added one by one: XLA fuses each into the
+sum, where one ``[tokens, top_k, d]`` gather reduced over its middle axis is written to
+HBM whole first (:func:`_gather_sum`). The grouped matmuls' backward is :func:`kernels.gmm.gmm`'s
 own (a ``gmm`` with the transposed weights for the activations, a ``tgmm`` for the
 weights).
 
@@ -247,6 +250,20 @@ def route(x, router_w, *, top_k: int, scoring: str = "softmax", normalize_weight
 # ---------------------------------------------------------------------------------
 
 
+def _gather_sum(rows, position, weights=None):
+  """``sum_s weights[:, s] * rows[position[:, s]]`` in f32: one row gather per choice, each
+  added as it is read. Written as ``top_k`` gathers of ``[tokens, d]`` rather than one
+  ``[tokens, top_k, d]`` gather reduced over its middle axis, so XLA fuses the gathers into
+  the sum and never writes the ``[tokens, top_k, d]`` intermediate."""
+  acc = None
+  for s in range(position.shape[1]):
+    v = rows[position[:, s]].astype(jnp.float32)
+    if weights is not None:
+      v = v * weights[:, s:s + 1].astype(jnp.float32)
+    acc = v if acc is None else acc + v
+  return acc
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, order, position, top_k):
   """``x[order // top_k]``: each token once per choice, sorted by expert."""
@@ -259,30 +276,35 @@ def _dispatch_fwd(x, order, position, top_k):
 
 def _dispatch_bwd(top_k, res, g):
   order, position = res
-  tokens = position.shape[0]
-  dx = jnp.sum(g[position.reshape(-1)].reshape(tokens, top_k, g.shape[1]).astype(jnp.float32), axis=1)
-  return dx.astype(g.dtype), None, None
+  return _gather_sum(g, position).astype(g.dtype), None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @jax.custom_vjp
-def _unpermute(ys, order, position):
-  """``ys[position]``: the sorted rows back in assignment order (a permutation)."""
-  return ys[position.reshape(-1)]
+def _combine(ys, weights, order, position):
+  """``y[t] = sum_s weights[t, s] * ys[position[t, s]]``: the sorted rows back to their
+  tokens, weighted and summed (f32 sum, ``ys``'s dtype out)."""
+  return _gather_sum(ys, position, weights).astype(ys.dtype)
 
 
-def _unpermute_fwd(ys, order, position):
-  return _unpermute(ys, order, position), (order, position)
+def _combine_fwd(ys, weights, order, position):
+  return _combine(ys, weights, order, position), (ys, weights, order, position)
 
 
-def _unpermute_bwd(res, g):
-  order, position = res
-  return g[order], None, None
+def _combine_bwd(res, g):
+  ys, weights, order, position = res
+  top_k = position.shape[1]
+  g32 = g.astype(jnp.float32)
+  # d ys[p] = weights[a] * g[token of a] for the assignment a = order[p]: one gather of g.
+  dys = (g32[order // top_k] * weights.reshape(-1)[order][:, None].astype(jnp.float32)).astype(ys.dtype)
+  # d weights[t, s] = <g[t], ys[position[t, s]]>: a gather fused into each row's dot.
+  dw = jnp.stack([jnp.sum(g32 * ys[position[:, s]].astype(jnp.float32), axis=-1) for s in range(top_k)], axis=1)
+  return dys, dw.astype(weights.dtype), None, None
 
 
-_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---------------------------------------------------------------------------------
@@ -334,8 +356,7 @@ def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
   h = grouped(xs, w_gate_up.astype(x.dtype))                          # [tokens * top_k, 2f]
   act = (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(x.dtype)
   ys = grouped(act, w_down.astype(x.dtype))                           # [tokens * top_k, d]
-  yt = _unpermute(ys, r.order, r.position).reshape(tokens, top_k, d)
-  return jnp.einsum("tkd,tk->td", yt.astype(jnp.float32), r.weights.astype(jnp.float32)).astype(x.dtype)
+  return _combine(ys, r.weights, r.order, r.position).astype(x.dtype)
 
 
 def _aux(r: Routing) -> dict:

@@ -217,7 +217,9 @@ def permutation(cfg) -> str:
 def _copy_standins():
   """Replaces the layer's two row gathers by contiguous copies of the same bytes (see the module docstring)."""
   moe_mod._dispatch = lambda x, order, position, top_k: jnp.repeat(x, top_k, axis=0)   # reads x, writes N rows
-  moe_mod._unpermute = lambda ys, order, position: jnp.flip(ys, axis=0)                 # reads and writes N rows
+  moe_mod._combine = lambda ys, w, order, position: jnp.einsum(                           # reads and writes N rows,
+      "tkd,tk->td", jnp.flip(ys, axis=0).reshape(*w.shape, -1).astype(jnp.float32),        # then the weighted sum
+      w.astype(jnp.float32)).astype(ys.dtype)
 
 
 def _grouped(cfg, gs):
