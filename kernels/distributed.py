@@ -125,7 +125,7 @@ from kernels.backend import check_implementation, dispatch
 from kernels.errors import KernelError, check
 from kernels.gmm import gmm
 from kernels.matmul import matmul
-from kernels.moe import ACTIVATIONS, _check_layer_args, _check_route_args, _dispatch, _unpermute, route
+from kernels.moe import ACTIVATIONS, _check_layer_args, _check_route_args, _combine, _dispatch, route
 from kernels.scan import linear_scan
 
 __all__ = ["all_gather_matmul", "expert_parallel_moe", "matmul_reduce_scatter", "ring_all_gather", "ring_attention",
@@ -661,7 +661,7 @@ def expert_parallel_moe(x, router_w, w_gate, w_up, w_down, *, axis_name, top_k: 
   _check_layer_args(x, router_w, full(w_gate), full(w_up), full(w_down), activation)
   check_implementation(implementation, interpret)
 
-  tokens, d = x.shape
+  tokens = x.shape[0]
   r = route(x, router_w, top_k=top_k, scoring=scoring, normalize_weights=normalize_weights,
             expert_bias=expert_bias)
   xs = _dispatch(x, r.order, r.position, top_k)                          # [tokens * top_k, d], by expert
@@ -694,8 +694,7 @@ def expert_parallel_moe(x, router_w, w_gate, w_up, w_down, *, axis_name, top_k: 
   act = (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(x.dtype)
   ys = gmm(act, w_down.astype(x.dtype), local_sizes, **kw)[inv]          # back to (source, expert) order
   back = _exchange(ys, bwd, fwd, tokens * top_k, rows, axis_name, n)  # my rows, by expert
-  yt = _unpermute(back, r.order, r.position).reshape(tokens, top_k, d)
-  y = jnp.einsum("tkd,tk->td", yt.astype(jnp.float32), r.weights.astype(jnp.float32)).astype(x.dtype)
+  y = _combine(back, r.weights, r.order, r.position).astype(x.dtype)
   return y, _global_aux(x, router_w, r, scoring, axis_name)
 
 

@@ -349,7 +349,6 @@ def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
   """Permute, the two grouped matmuls (``grouped(lhs, rhs)``) with the activation product
   between them, unpermute and combine: the layer after routing. ``tools/bench_moe.py`` runs
   it on other grouped matmuls."""
-  tokens, d = x.shape
   top_k = r.expert_ids.shape[1]
   f = w_gate_up.shape[2] // 2
   xs = _dispatch(x, r.order, r.position, top_k)                       # [tokens * top_k, d]
