@@ -259,7 +259,26 @@ def test_permutation_vjps_are_gathers():
   for f in (lambda x: jnp.sum(_dispatch(x, r.order, r.position, 3) ** 2),
             lambda y: jnp.sum(_combine(y, r.weights, r.order, r.position) ** 2)):
     arg = x if f.__code__.co_varnames[0] == "x" else g
-    assert "scatter" not in str(jax.make_jaxpr(jax.grad(f))(arg))
+    jaxpr = jax.make_jaxpr(jax.grad(f))(arg)
+    assert "scatter" not in str(jaxpr)
+    # Gathers of whole rows and no [tokens, top_k, d] value anywhere, forward or backward: a
+    # block XLA would write to HBM whole before reducing it over its middle axis.
+    eqns = list(_eqns(jaxpr.jaxpr))
+    assert any(e.primitive.name == "gather" for e in eqns)
+    assert all(len(v.aval.shape) <= 2 for e in eqns for v in e.outvars), [
+        (e.primitive.name, v.aval.shape) for e in eqns for v in e.outvars if len(v.aval.shape) > 2]
+
+
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr``, nested ones (custom VJPs, jit calls) included."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for j in (p if isinstance(p, (list, tuple)) else [p]):
+        if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+          yield from _eqns(j.jaxpr)
+        elif hasattr(j, "eqns"):
+          yield from _eqns(j)
 
 
 def test_jit_composes():
