@@ -29,15 +29,20 @@ def save(table: dict, path: str) -> None:
 
 
 def rss_gb(pid: int) -> float:
-  """Resident memory of process ``pid`` in GiB (0 once it has exited)."""
-  try:
-    with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
-      for line in fh:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1]) / 2**20
-  except OSError:
-    pass
-  return 0.0
+  """Resident memory of process ``pid`` and its descendants in GiB (0 once it has exited): an
+  estimate may compile in child processes of its own (``isolate=True``)."""
+  total, todo = 0.0, [pid]
+  while todo:
+    p = todo.pop()
+    try:
+      with open(f"/proc/{p}/status", encoding="utf-8") as fh:
+        total += next((int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:")), 0) / 2**20
+      for task in os.listdir(f"/proc/{p}/task"):
+        with open(f"/proc/{p}/task/{task}/children", encoding="utf-8") as fh:
+          todo += [int(c) for c in fh.read().split()]
+    except (OSError, ValueError):
+      pass
+  return total
 
 
 def run_child(argv: list[str], timeout: float = 3600) -> dict:
