@@ -62,11 +62,10 @@ The permutations are gathers both ways: each forward gathers rows, and its custo
 gathers the cotangent by the inverse permutation (the dispatch's summing a token's
 ``top_k`` copies) instead of the scatter-add that automatic differentiation would emit
 for a gather (a scatter is serialised on a TPU). A gather that feeds a sum over a
-token's choices is written as ``top_k`` gathers added one by one: XLA fuses each into the
-sum, where one ``[tokens, top_k, d]`` gather reduced over its middle axis is written to
-HBM whole first (:func:`_gather_sum`). The grouped matmuls' backward is :func:`kernels.gmm.gmm`'s
-own (a ``gmm`` with the transposed weights for the activations, a ``tgmm`` for the
-weights).
+token's choices is written as ``top_k`` gathers of ``[tokens, d]`` added elementwise,
+not as one ``[tokens, top_k, d]`` gather reduced over its middle axis
+(:func:`_gather_sum`). The grouped matmuls' backward is :func:`kernels.gmm.gmm`'s own (a
+``gmm`` with the transposed weights for the activations, a ``tgmm`` for the weights).
 
 Passing ``w_up=None`` with ``w_gate`` of shape ``[experts, d, 2f]`` (the gate weights in
 the first ``f`` columns, the up weights in the last) skips the concatenation, which
@@ -252,9 +251,12 @@ def route(x, router_w, *, top_k: int, scoring: str = "softmax", normalize_weight
 
 def _gather_sum(rows, position, weights=None):
   """``sum_s weights[:, s] * rows[position[:, s]]`` in f32: one row gather per choice, each
-  added as it is read. Written as ``top_k`` gathers of ``[tokens, d]`` rather than one
-  ``[tokens, top_k, d]`` gather reduced over its middle axis, so XLA fuses the gathers into
-  the sum and never writes the ``[tokens, top_k, d]`` intermediate."""
+  added to the sum. Written as ``top_k`` gathers of ``[tokens, d]`` rather than one
+  ``[tokens, top_k, d]`` gather reduced over its middle axis. XLA:TPU writes each gather
+  to HBM either way (a gather does not fuse into its consumer), so the bytes are the same;
+  the difference is the sum. Summing ``top_k`` aligned ``[tokens, d]`` arrays is
+  elementwise work, while reducing over the middle axis sums rows that share a packed
+  bf16 sublane tile, which libtpu's cost model charges far above the bytes' time."""
   acc = None
   for s in range(position.shape[1]):
     v = rows[position[:, s]].astype(jnp.float32)

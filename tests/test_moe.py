@@ -261,8 +261,8 @@ def test_permutation_vjps_are_gathers():
     arg = x if f.__code__.co_varnames[0] == "x" else g
     jaxpr = jax.make_jaxpr(jax.grad(f))(arg)
     assert "scatter" not in str(jaxpr)
-    # Gathers of whole rows and no [tokens, top_k, d] value anywhere, forward or backward: a
-    # block XLA would write to HBM whole before reducing it over its middle axis.
+    # Gathers of whole rows and no [tokens, top_k, d] value anywhere, forward or backward:
+    # the sums over a token's choices add aligned [tokens, d] rows, with no middle-axis reduction.
     eqns = list(_eqns(jaxpr.jaxpr))
     assert any(e.primitive.name == "gather" for e in eqns)
     assert all(len(v.aval.shape) <= 2 for e in eqns for v in e.outvars), [
