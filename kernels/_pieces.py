@@ -2,7 +2,10 @@
 
 The program's jaxpr is flattened (``jit`` calls, custom-derivative calls and
 ``lax.platform_dependent`` branches for TPU are inlined) and its equations are split into
-runs: each ``pallas_call`` alone, and the XLA equations between two kernels as one run. Each
+runs: each ``pallas_call`` alone, and the XLA equations between two kernels as one run.
+With ``dots_above``, each ``dot_general`` of at least that many FLOPs is a piece of its
+own too: the cut of a program built on XLA's matmuls (a dense layer) where another is
+built on Pallas kernels. Each
 piece becomes a function of the values it reads from earlier pieces (or from the program's
 inputs) that returns the values later pieces (or the program's outputs) read. A TPU core
 runs a program's ops one after another, and XLA cannot fuse an op into a Pallas kernel, so
@@ -32,11 +35,13 @@ class _Eqn:
   kernel: bool
   ctx: Any = None
   pulled: bool = False  # recomputed here from an earlier XLA piece (see _with_producers)
+  alone: bool = False   # a piece of its own: a kernel, or a dot over ``dots_above`` FLOPs
 
 
 @dataclasses.dataclass
 class Piece:
-  """One piece: a Pallas kernel (``kernel``) or a run of XLA equations, as ``fn(*inputs)``."""
+  """One piece: a Pallas kernel (``kernel``, ``name`` the kernel's), a large XLA dot (``name``
+  ``"dot"``) or a run of XLA equations (``"xla"``), as ``fn(*inputs)``."""
   name: str
   kernel: bool
   fn: Callable
@@ -100,7 +105,8 @@ def _flatten(jaxpr, consts, in_refs, eqns: list, fresh, avals: dict, platform="t
         i = next(fresh)
         avals[i] = v.aval
         outs.append(("v", i))
-      eqns.append(_Eqn(e.primitive, dict(e.params), ins, [i for _, i in outs], name == "pallas_call", e.ctx))
+      eqns.append(_Eqn(e.primitive, dict(e.params), ins, [i for _, i in outs], name == "pallas_call", e.ctx,
+                       alone=name == "pallas_call"))
     for v, r in zip(e.outvars, outs):
       if not isinstance(v, jcore.DropVar):
         env[v] = r
@@ -159,6 +165,16 @@ def _with_producers(run: list[_Eqn], eqns: list[_Eqn], avals: dict) -> list[_Eqn
   return [dataclasses.replace(pulled[n], pulled=True) for n in sorted(pulled)] + run
 
 
+def _dot_flops(e: _Eqn, avals: dict) -> float:
+  (contract, _), _ = e.params["dimension_numbers"]
+  k, x = e.ins[0]
+  shape = avals[x].shape if k == "v" else x.shape
+  size = 1
+  for d in contract:
+    size *= shape[d]
+  return 2.0 * float(avals[e.outs[0]].size) * size
+
+
 def _kernel_name(params) -> str:
   debug = getattr(params.get("jaxpr"), "debug_info", None)
   return str(params.get("name") or getattr(debug, "func_name", None) or "pallas_call")
@@ -179,9 +195,10 @@ def _run(eqns: list[_Eqn], in_ids: list[int], out_ids: list[int]) -> Callable:
   return fn
 
 
-def cut(f: Callable, *args) -> Cut:
-  """``f(*args)`` (arrays or ShapeDtypeStructs) cut at its Pallas kernels, in program order.
-  Trace under the target's :func:`kernels.backend.target` so that dispatch picks the kernels."""
+def cut(f: Callable, *args, dots_above: float | None = None) -> Cut:
+  """``f(*args)`` (arrays or ShapeDtypeStructs) cut at its Pallas kernels, in program order,
+  and at its ``dot_general`` ops of at least ``dots_above`` FLOPs if given. Trace under the
+  target's :func:`kernels.backend.target` so that dispatch picks the kernels."""
   closed, shape = jax.make_jaxpr(f, return_shape=True)(*args)
   fresh, avals, eqns = itertools.count(), {}, []
   in_refs = []
@@ -190,8 +207,12 @@ def cut(f: Callable, *args) -> Cut:
     avals[i] = v.aval
     in_refs.append(("v", i))
   outs = _flatten(closed.jaxpr, closed.consts, in_refs, eqns, fresh, avals)
-  # runs: each kernel alone, the XLA equations between kernels together
-  runs = [list(g) for _, g in itertools.groupby(eqns, key=lambda e: (e.kernel, id(e) if e.kernel else 0))]
+  if dots_above is not None:
+    for e in eqns:
+      e.alone = e.alone or (e.prim.name == "dot_general" and _dot_flops(e, avals) >= dots_above)
+  # runs: each kernel (or large dot) alone, the XLA equations between them together; a dot
+  # piece, like an XLA one, recomputes the cheap producers XLA would fuse into its operands
+  runs = [list(g) for _, g in itertools.groupby(eqns, key=lambda e: (e.alone, id(e) if e.alone else 0))]
   runs = [run if run[0].kernel else _with_producers(run, eqns, avals) for run in runs]
   needed_later = [set() for _ in runs]  # ids read by runs after run r, or returned
   later = {i for k, i in outs if k == "v"}
@@ -208,7 +229,7 @@ def cut(f: Callable, *args) -> Cut:
     if not live:
       continue  # dead code: XLA drops it from the program too
     kernel = run[0].kernel
-    name = _kernel_name(run[0].params) if kernel else "xla"
+    name = _kernel_name(run[0].params) if kernel else "dot" if run[-1].alone else "xla"
     sds = [jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in ins]
     out.append(Piece(name, kernel, _run(run, ins, live), sds, [e.prim.name for e in run], ins, live))
   return Cut(out, [i for _, i in in_refs], outs, jax.tree.structure(shape))

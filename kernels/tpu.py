@@ -505,8 +505,8 @@ class Estimate:
     if self.unmodeled:
       r["unmodeled"] = list(self.unmodeled)
     if self.pieces:
-      r["pieces"] = [dict(name=n, kernel=not n.endswith(":xla"), **{k: p.record()[k] for k in ("us", "model_us", "floor_us")})
-                     for n, p in self.pieces]
+      r["pieces"] = [dict(name=n, kernel=n.split(":", 1)[1] not in ("xla", "dot"),
+                          **{k: p.record()[k] for k in ("us", "model_us", "floor_us")}) for n, p in self.pieces]
     return r
 
   def __str__(self) -> str:
@@ -655,7 +655,7 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
 
 def estimate_tpu_pieces(fn: Callable, *args, generation: str = "v5e", flops: float | None = None,
                         bytes_accessed: float | None = None, dtype="bfloat16", isolate: bool = False,
-                        **kwargs) -> Estimate:
+                        dots_above: float | None = None, **kwargs) -> Estimate:
   """:func:`estimate_tpu` of ``fn(*args, **kwargs)`` as the sum of its pieces, cut at its
   Pallas kernels: each kernel alone, and the XLA ops between two kernels as one program
   (``kernels/_pieces.py``). Each piece is estimated and floored on its own, and
@@ -669,12 +669,16 @@ def estimate_tpu_pieces(fn: Callable, *args, generation: str = "v5e", flops: flo
   window (a sort, a gather or a top-k beside a kernel with a large window), though the
   plain compile of the same program passes. A piece that the model charges nothing
   because it only reshapes or slices is charged its bytes at the published bandwidth.
+
+  ``dots_above`` (FLOPs) also cuts at each XLA ``dot_general`` that large, each estimated
+  alone (pieces named ``dot``): the same cut for a program built on XLA's matmuls, whose
+  whole profile can outgrow the machine's memory.
   """
   from kernels import _pieces
   chip = get_chip(generation)
   f = functools.partial(fn, **kwargs) if kwargs else fn
   with _lock, target(chip):
-    parts = _pieces.cut(f, *_plain(args)).pieces
+    parts = _pieces.cut(f, *_plain(args), dots_above=dots_above).pieces
   done: list[tuple[str, Estimate]] = []
   for i, p in enumerate(parts):
     label = f"{i}:{p.name}"

@@ -66,3 +66,25 @@ def test_the_moe_layer_backward_cut_at_its_grouped_matmuls():
   assert sum(p.kernel for p in c.pieces) == 6
   for got, want in zip(c.run(x, wg, wu, wd), g(x, wg, wu, wd)):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_large_xla_dots_are_pieces_of_their_own_with_dots_above():
+  """A program on XLA's matmuls: with ``dots_above`` each dot that large is a ``dot`` piece, a
+  smaller one stays with the XLA ops around it, and the pieces still compute the program
+  and its gradient."""
+  def dense(x, w1, w2, r):
+    h = jax.nn.silu((x @ w1).astype(jnp.float32)).astype(x.dtype)  # 2 * 64 * 128 * 256 FLOPs
+    gate = jax.nn.softmax(x @ r)                                      # 2 * 64 * 128 * 4: small
+    return jnp.sum((h @ w2) * gate[:, :1])
+
+  args = normal([(64, 128), (128, 256), (256, 128), (128, 4)])
+  c = _pieces.cut(dense, *args, dots_above=1e6)
+  assert [p.name for p in c.pieces] == ["dot", "xla", "dot", "xla"], [p.name for p in c.pieces]
+  assert not any(p.kernel for p in c.pieces) and "dot_general" in c.pieces[1].primitives  # the small one
+  np.testing.assert_allclose(c.run(*args), dense(*args), rtol=1e-5)
+  grad = jax.grad(dense, argnums=(0, 1, 2))
+  c = _pieces.cut(grad, *args, dots_above=1e6)
+  assert sum(p.name == "dot" for p in c.pieces) == 6, [p.name for p in c.pieces]  # 2 forward, 4 backward
+  for got, want in zip(c.run(*args), grad(*args)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert [p.name for p in _pieces.cut(dense, *args).pieces] == ["xla"]  # without dots_above: one piece

@@ -45,7 +45,10 @@ with XLA work that uses VMEM (a sort, a top-k, a gather), though the plain compi
 ``--pieces`` estimates a grouped layer with :func:`kernels.estimate_tpu_pieces`: cut at its
 Pallas kernels, each kernel alone and the XLA ops between two kernels as one program, the
 floored estimates added (``pieces`` in the record lists them). With the gathers in pieces
-of their own, the v6e layer can be estimated as written (``--permutation gather``).
+of their own, the v6e layer can be estimated as written (``--permutation gather``). The
+dense layer has no Pallas kernel: in pieces it is cut at its einsums of 1e10 FLOPs or more
+(``dots_above``), the dispatch, expert and combine einsums, each estimated alone. Each
+piece is estimated in a child process of its own.
 ``--pieces-check`` estimates stored whole-layer records in pieces (``pieces_check``).
 
 *Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
@@ -232,6 +235,9 @@ def _grouped(cfg, gs):
 
 PARTS = ("routing", "experts")
 PIECES = "sum of pieces cut at the Pallas kernels (kernels.estimate_tpu_pieces), each estimated and floored alone"
+DENSE_PIECES = ("sum of pieces cut at the einsums of 1e10 FLOPs or more (kernels.estimate_tpu_pieces, dots_above), "
+                "each estimated and floored alone")
+DENSE_DOTS_ABOVE = 1e10  # the dense layer's dispatch, expert and combine einsums; not its router
 
 
 def part_program(cfg):
@@ -306,9 +312,11 @@ def estimate_here(cfg) -> dict:
   case = _case(cfg)
   whole = not cfg.get("part")
   # In pieces, each piece is estimated in a child process of its own, so that the memory of
-  # one piece's profile is returned before the next (in one process E=64 reached 13 GB).
-  estimator = (functools.partial(kernels.estimate_tpu_pieces, isolate=True) if cfg.get("in_pieces")
-               else kernels.estimate_tpu)
+  # one piece's profile is returned before the next (in one process E=64 reached 13 GB). The
+  # dense layer, which has no Pallas kernel, is cut at its large einsums instead.
+  estimator = (functools.partial(kernels.estimate_tpu_pieces, isolate=True,
+                                 dots_above=DENSE_DOTS_ABOVE if cfg["impl"] == "dense" else None)
+               if cfg.get("in_pieces") else kernels.estimate_tpu)
   e = estimator(fn, *args, generation=cfg["generation"], flops=flops(case, cfg["mode"]) if whole else None,
                 bytes_accessed=bytes_needed(case, cfg["mode"]) if whole else None)
   r = e.record()
@@ -434,7 +442,7 @@ def bench(args):
         for impl in args.impls:
           for mode in args.modes:
             key = f"{gen}/{case}/{groups}/{impl}/{mode}"
-            if args.pieces and impl != "dense":
+            if args.pieces:
               key += "/pieces"  # beside the whole-program record of the same layer, if any
             if args.split_check:  # the split against a stored whole-layer estimate
               whole = results.get(key, {})
@@ -467,14 +475,14 @@ def bench(args):
             else:
               if args.split and impl != "dense":
                 cfg["split"] = True
-              if args.pieces and impl != "dense":
+              if args.pieces:
                 cfg["in_pieces"] = True
               r = estimate(cfg, args.max_rss_gb, args.skip_full)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             if cfg.get("blocks"):
               r["method"] += f"; blocks {tuple(cfg['blocks'])}, not the defaults"
             if cfg.get("in_pieces"):
-              r["method"] += "; " + PIECES
+              r["method"] += "; " + (DENSE_PIECES if impl == "dense" else PIECES)
             results[key] = r
             print(key, r.get("us"), r.get("error", ""), f"{time.time() - t0:.0f}s", flush=True)
             result_tables.save(table, OUT)
