@@ -5,12 +5,12 @@ The program's jaxpr is flattened (``jit`` calls, custom-derivative calls and
 runs: each ``pallas_call`` alone, and the XLA equations between two kernels as one run.
 With ``dots_above``, each ``dot_general`` of at least that many FLOPs is a piece of its
 own too: the cut of a program built on XLA's matmuls (a dense layer) where another is
-built on Pallas kernels. Each
-piece becomes a function of the values it reads from earlier pieces (or from the program's
-inputs) that returns the values later pieces (or the program's outputs) read. A TPU core
-runs a program's ops one after another, and XLA cannot fuse an op into a Pallas kernel, so
-the pieces' times come close to the program's; what differs is the fusions that would have
-crossed a kernel (each piece's outputs go through HBM, as a kernel's inputs and outputs do).
+built on Pallas kernels. Each piece becomes a function of the values it reads from
+earlier pieces (or from the program's inputs) that returns the values later pieces (or
+the program's outputs) read. A TPU core runs a program's ops one after another, and XLA
+cannot fuse an op into a Pallas kernel, so the pieces' times come close to the program's;
+what differs is the fusions that would have crossed a kernel (each piece's outputs go
+through HBM, as a kernel's inputs and outputs do).
 """
 from __future__ import annotations
 

@@ -301,7 +301,7 @@ def _combine_bwd(res, g):
   g32 = g.astype(jnp.float32)
   # d ys[p] = weights[a] * g[token of a] for the assignment a = order[p]: one gather of g.
   dys = (g32[order // top_k] * weights.reshape(-1)[order][:, None].astype(jnp.float32)).astype(ys.dtype)
-  # d weights[t, s] = <g[t], ys[position[t, s]]>: a gather fused into each row's dot.
+  # d weights[t, s] = <g[t], ys[position[t, s]]>: a row gather per choice, then a row dot.
   dw = jnp.stack([jnp.sum(g32 * ys[position[:, s]].astype(jnp.float32), axis=-1) for s in range(top_k)], axis=1)
   return dys, dw.astype(weights.dtype), None, None
 
@@ -349,7 +349,7 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
 
 def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
   """Permute, the two grouped matmuls (``grouped(lhs, rhs)``) with the activation product
-  between them, unpermute and combine: the layer after routing. ``tools/bench_moe.py`` runs
+  between them, and the combine: the layer after routing. ``tools/bench_moe.py`` runs
   it on other grouped matmuls."""
   top_k = r.expert_ids.shape[1]
   f = w_gate_up.shape[2] // 2
