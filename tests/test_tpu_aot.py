@@ -149,8 +149,8 @@ def test_a_run_time_grid_bound_compiles_without_the_profiler_and_is_estimated_in
 
 
 def test_estimate_orders_block_sizes():
-  # 4096^3: 128x128 output tiles re-read A and B 4x more than 512x512 tiles; the estimate must see it.
-  n = 4096
+  # 2048^3: 128x128 output tiles re-read A and B 4x more than 512x512 tiles; the estimate must see it.
+  n = 2048
   flops, nbytes = kernels.matmul_cost(n, n, n)
   small = kernels.estimate_tpu(toy.matmul, sds(n, n), sds(n, n), bm=128, bk=512, bn=128,
                                flops=flops, bytes_accessed=nbytes)
