@@ -386,8 +386,9 @@ skewed = np.array([4096, 2048, 1024, 512, 256, 128, 64, 64])
 args = (sds((m, k), bf16), sds((e, k, n), bf16), sds((e,), i32), sds((m, n), bf16))
 comp = kernels.compile_for_tpu(fwd_bwd(), *args, generation=gen)
 assert comp.hlo.count("tpu_custom_call") == 3 and comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
-comp = kernels.compile_for_tpu(lambda a, b: gm.gmm_static_groups(a, b, skewed), *args[:2], generation=gen)
-assert comp.hlo.count("tpu_custom_call") == 1
+if gen == "v6e":  # the estimation variant: the same kernel body, tables as constants (generation-blind code)
+  comp = kernels.compile_for_tpu(lambda a, b: gm.gmm_static_groups(a, b, skewed), *args[:2], generation=gen)
+  assert comp.hlo.count("tpu_custom_call") == 1
 m, k, n, e = 65536, 2048, 1408, 64
 comp = kernels.compile_for_tpu(fwd_bwd(), sds((m, k), bf16), sds((e, k, n), bf16), sds((e,), i32),
                                sds((m, n), bf16), generation=gen)
