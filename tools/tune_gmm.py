@@ -38,6 +38,11 @@ is preferred, and ``full_size_error`` says why a record did not get one. The roo
 FLOPs actually needed, ``2 * rows * k * n`` (x3 with the backward), and the compulsory
 bytes (each operand read once, each result written once).
 
+*In pieces* (``--pieces``; records keyed ``.../pieces``): where libtpu's profiled compile
+fails on VMEM for a whole forward + backward (E8 on v5e, even the backward alone), the
+program is estimated as the sum of its pieces cut at the Pallas kernels
+(:func:`kernels.estimate_tpu_pieces`), each kernel in a child process of its own.
+
 Each estimate runs in a child process (the cost model can abort); results are written after
 each one, so an interrupted run resumes. Run under the shared lock::
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import json
 import math
@@ -180,6 +186,9 @@ def _program(cfg):
   return (bwd if cfg["mode"] == "bwd" else fwdbwd), (lhs, rhs, dout)
 
 
+PIECES = "sum of pieces cut at the Pallas kernels (kernels.estimate_tpu_pieces), each estimated and floored alone"
+
+
 def method(impl: str) -> str:
   if impl == "ours":
     return "static offsets (group sizes as compile-time constants; same kernel body)"
@@ -192,8 +201,11 @@ def estimate(cfg) -> dict:
   fn, args = _program(cfg)
   n = _n(cfg)
   c = _case(cfg)
-  e = kernels.estimate_tpu(fn, *args, generation=cfg["generation"], flops=flops(c, cfg["mode"], n),
-                           bytes_accessed=bytes_needed(c, cfg["mode"], n))
+  # In pieces (--pieces): cut at the Pallas kernels, each piece estimated in a child of its own.
+  estimator = functools.partial(kernels.estimate_tpu_pieces, isolate=True) if cfg.get("in_pieces") \
+      else kernels.estimate_tpu
+  e = estimator(fn, *args, generation=cfg["generation"], flops=flops(c, cfg["mode"], n),
+                bytes_accessed=bytes_needed(c, cfg["mode"], n))
   r = e.record()
   r.update(compile_seconds=round(e.compile_seconds, 1), n_slice=n)
   return r
@@ -431,10 +443,12 @@ def bench(args):
       if args.stop_at and time.time() > args.stop_at:
         print("stopping: --stop-at reached", flush=True)
         return
-      key = f"{gen}/{case}/{groups}/{impl}/{mode}"
+      key = f"{gen}/{case}/{groups}/{impl}/{mode}" + ("/pieces" if args.pieces else "")  # beside the whole record
       if key in results and "us" in results[key] and not (args.force or (args.split_check and args.split_fwdbwd)):
         continue
       cfg = dict(generation=gen, impl=impl, case=case, groups=groups, mode=mode)
+      if args.pieces:
+        cfg["in_pieces"] = True
       if args.split_fwdbwd and mode == "fwdbwd":
         r = split_fwdbwd(cfg, results)
         whole = results.get(key, {})
@@ -448,7 +462,7 @@ def bench(args):
           r["whole_error"] = whole["error"]
       else:
         r = estimate_isolated(cfg)
-      r.update(cfg, method=method(impl))
+      r.update(cfg, method=method(impl) + ("; " + PIECES if args.pieces else ""))
       if impl.startswith("ours"):
         r["kernel"] = KERNEL_VERSION
         c = CASES[case]
@@ -475,6 +489,9 @@ def main(argv=None):
                   help="(bench) forward + backward as the stored forward plus the backward alone (split_fwdbwd)")
   ap.add_argument("--split-check", action="store_true",
                   help="(bench, with --split-fwdbwd) store the split beside the whole estimate (split_check)")
+  ap.add_argument("--pieces", action="store_true",
+                  help="(bench) estimate each program as the sum of its pieces cut at the Pallas kernels "
+                       "(kernels.estimate_tpu_pieces; records keyed .../pieces)")
   ap.add_argument("--stop-at", type=float, default=None, help="(bench) start no estimate after this Unix time")
   ap.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop an estimate above this much RAM")
   ap.add_argument("--timeout", type=float, default=None, help="stop an estimate after this many seconds")
