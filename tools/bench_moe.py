@@ -234,7 +234,7 @@ def _grouped(cfg, gs):
 
 
 PARTS = ("routing", "experts")
-PIECES = "sum of pieces cut at the Pallas kernels (kernels.estimate_tpu_pieces), each estimated and floored alone"
+PIECES = result_tables.PIECES
 DENSE_PIECES = ("sum of pieces cut at the einsums of 1e10 FLOPs or more (kernels.estimate_tpu_pieces, dots_above), "
                 "each estimated and floored alone")
 DENSE_DOTS_ABOVE = 1e10  # the dense layer's dispatch, expert and combine einsums; not its router

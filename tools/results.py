@@ -12,6 +12,9 @@ import os
 import subprocess
 import sys
 
+# The method text of a record estimated as a sum of pieces (kernels.estimate_tpu_pieces).
+PIECES = "sum of pieces cut at the Pallas kernels (kernels.estimate_tpu_pieces), each estimated and floored alone"
+
 
 def load(path: str) -> dict:
   if os.path.exists(path):

@@ -186,7 +186,7 @@ def _program(cfg):
   return (bwd if cfg["mode"] == "bwd" else fwdbwd), (lhs, rhs, dout)
 
 
-PIECES = "sum of pieces cut at the Pallas kernels (kernels.estimate_tpu_pieces), each estimated and floored alone"
+PIECES = result_tables.PIECES
 
 
 def method(impl: str) -> str:
