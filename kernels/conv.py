@@ -120,6 +120,8 @@ from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, VmemOverflowError, check
 from kernels.hardware import get_chip
 from kernels.matmul import apply_activation
+from kernels import _conv_winograd as WB
+from kernels._conv_winograd import lincomb as _lincomb
 
 ACTIVATIONS = (None, "relu", "silu", "gelu", "gelu_tanh")
 ALGORITHMS = (None, "direct", "winograd")
@@ -216,8 +218,11 @@ def winograd_filter_transform(w, tile_size: int = 4) -> WinogradFilter:
   _check_tile(tile_size)
   check(hasattr(w, "shape") and w.ndim == 4 and tuple(w.shape[:2]) == (3, 3), "w", w,
         "must be a 3x3 HWIO filter [3, 3, cin, cout]")
-  g = jnp.asarray(_G[tile_size], jnp.float32)
-  u = jnp.einsum("ai,ijco,bj->abco", g, w.astype(jnp.float32), g, precision=lax.Precision.HIGHEST)
+  # exact f32 sums of constant multiples, elementwise: libtpu's static profile of the
+  # equivalent HIGHEST-precision einsum grew past 14 GB of host memory at 512 channels
+  wf = w.astype(jnp.float32)
+  rows = WB.transform_1d(_G[tile_size], [wf[i] for i in range(3)])  # (G w)[a]: [3, cin, cout]
+  u = jnp.stack([jnp.stack(WB.transform_1d(_G[tile_size], [r[j] for j in range(3)])) for r in rows])
   return WinogradFilter(u, tile_size)
 
 
@@ -662,17 +667,6 @@ def _direct(x, w, bias, c: _Conv, blocks: BlockSizes, *, activation, out_dtype, 
 # --- the Winograd kernel ------------------------------------------------------------
 
 
-def _lincomb(coeffs, terms):
-  """``sum_i coeffs[i] * terms[i]`` skipping zeros and unit multiplies (VPU adds)."""
-  out = None
-  for a, t in zip(coeffs, terms):
-    if a == 0:
-      continue
-    v = t if a == 1 else (-t if a == -1 else t * float(a))
-    out = v if out is None else out + v
-  return out
-
-
 def _winograd_kernel(x_ref, u_ref, b_ref, o_ref, acc_ref, xf_ref, y_ref, *, m, bh, wt, nk, activation, cdt,
                      precision):
   k = pl.program_id(3)
@@ -753,6 +747,53 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
   return out
 
 
+def _winograd_plan(c: _Conv, m: int, nb: int, blocks: BlockSizes, x_dtype, out_dtype):
+  """The batched Winograd plan: one tile row per step (``block_h`` overrides), all channels per
+  step where VMEM allows (the transformed filter is then fetched once), else cout, then cin,
+  halved down to 128. None if nothing fits."""
+  chip = target_chip() or get_chip("v5e")
+  pt = blocks.block_h // m if blocks.block_h else 1
+  cin, cout = tiling.round_up(c.cin, 128), tiling.round_up(c.cout, 128)  # whole 128-lane groups
+  bc = _round_blocks(cin, blocks.block_cin or cin)
+  bco = _round_blocks(cout, blocks.block_cout or cout)
+  while True:
+    p = WB.make_plan(c.n, c.ho, c.wo, c.cin, c.cout, m=m, nb=nb, pt=pt, bc=bc, bco=bco, dtype=x_dtype)
+    try:
+      return p, tiling.vmem_limit(WB.vmem_bytes(p, x_dtype, out_dtype, c.wo), chip)
+    except VmemOverflowError:
+      pass
+    if blocks.block_cout is None and bco > 128 and bco >= bc:
+      bco = max(128, bco // 2 // 128 * 128)
+    elif blocks.block_cin is None and bc > 128:
+      bc = max(128, bc // 2 // 128 * 128)
+    else:
+      return None
+
+
+def _winograd_batched(x, u, bias, c: _Conv, m: int, blocks: BlockSizes, *, activation, out_dtype, precision,
+                      interpret):
+  """The batched Winograd kernel (:mod:`kernels._conv_winograd`) where it applies (the batched
+  direct kernel's conditions, and block_h a multiple of the tile), else None."""
+  nb = batch_block(c, x.dtype)
+  if nb is None or (blocks.block_h is not None and blocks.block_h % m):
+    return None
+  planned = _winograd_plan(c, m, nb, blocks, x.dtype, out_dtype)
+  if planned is None:
+    return None
+  p, limit = planned
+  t = m + 2
+  (pt_, _), (pleft, _) = c.pads
+  xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), (pt_, p.hp - c.h - pt_, 0), (pleft, p.wp - c.w - pleft, 0),
+                                           (0, p.cin_p - c.cin, 0)])
+  uq = jnp.pad(u.astype(x.dtype), ((0, 0), (0, 0), (0, p.cin_p - c.cin), (0, p.cout_p - c.cout)))
+  b = jnp.zeros((p.cout_p,), jnp.float32) if bias is None else jnp.pad(bias.astype(jnp.float32),
+                                                                           (0, p.cout_p - c.cout))
+  out = WB.call(xp, uq.reshape(t * t, p.cin_p, p.cout_p), b.reshape(1, p.cout_p), p, ho=c.ho, wo=c.wo,
+                bt=_BT[m], at=_AT[m], activation=activation, out_dtype=out_dtype, precision=precision,
+                vmem_limit=limit, interpret=interpret, cdt=_cdt(x.dtype, precision))
+  return out[..., :c.cout] if p.cout_p != c.cout else out
+
+
 def winograd_eligible(c: _Conv) -> bool:
   return (c.kh, c.kw) == (3, 3) and c.strides == (1, 1) and c.dilation == (1, 1) and c.groups == 1
 
@@ -763,6 +804,10 @@ def winograd_eligible(c: _Conv) -> bool:
 def _forward(x, w, bias, c: _Conv, *, algorithm, tile, blocks, activation, out_dtype, precision, interpret):
   if algorithm == "winograd":
     u = w.u if isinstance(w, WinogradFilter) else winograd_filter_transform(w, tile).u
+    batched = _winograd_batched(x, u, bias, c, tile, blocks, activation=activation, out_dtype=out_dtype,
+                                precision=precision, interpret=interpret)
+    if batched is not None:
+      return batched
     p = _fitted_plan(c, blocks, lambda p: _winograd_vmem(p, c, tile, x.dtype, out_dtype), tile=tile)
     return _winograd_call(x, u, bias, c, p, tile, activation=activation, out_dtype=out_dtype,
                           precision=precision, interpret=interpret)

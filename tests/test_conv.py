@@ -118,6 +118,33 @@ def test_batched_direct_bf16_two_channel_blocks_bias_activation(n):
   assert rel_err(got, want) < TOL["direct", "bfloat16"]
 
 
+@pytest.mark.parametrize("n,tile_size,padding,cin,cout,block_h", [
+    (8, 4, "SAME", 128, 136, None), (8, 2, "VALID", 130, 128, 2), (8, 4, ((2, 1), (0, 2)), 256, 128, 8),
+    (8, 2, ((0, -1), (1, 1)), 128, 128, 4)])
+def test_batched_winograd_matches_oracle(n, tile_size, padding, cin, cout, block_h):
+  # Batches of 8 (128+ channels) take the images-on-sublanes Winograd kernel: check that it ran.
+  x, w = rand((n, 9, 7, cin)), rand((3, 3, cin, cout), seed=1, scale=0.1)
+  kw = dict(padding=padding, algorithm="winograd", tile_size=tile_size, block_sizes=BlockSizes(block_h=block_h))
+  assert f"conv2d_winograd_f{tile_size}_batched" in str(jax.make_jaxpr(lambda x, w: run(x, w, **kw))(x, w))
+  got = run(x, w, **kw)
+  want = oracle(x, w, (1, 1), padding)
+  assert got.shape == want.shape
+  assert rel_err(got, want) < TOL[f"winograd{tile_size}", "float32"]
+
+
+@pytest.mark.parametrize("tile_size", [2, 4])
+def test_batched_winograd_bf16_channel_blocks_bias_activation(tile_size):
+  # 16 bf16 images (staged in bf16), two cin blocks accumulated across grid steps, two cout blocks
+  x, w, b = rand((16, 6, 11, 256), jnp.bfloat16), rand((3, 3, 256, 200), jnp.bfloat16, 1, 0.1), rand((200,), seed=2)
+  kw = dict(bias=b, activation="relu", algorithm="winograd", tile_size=tile_size,
+            block_sizes=BlockSizes(block_cin=128, block_cout=128))
+  assert f"conv2d_winograd_f{tile_size}_batched" in str(jax.make_jaxpr(lambda x, w: run(x, w, **kw))(x, w))
+  got = run(x, w, **kw)
+  assert got.dtype == jnp.bfloat16
+  want = np.maximum(oracle(x, w, bias=b), 0)
+  assert rel_err(got, want) < TOL[f"winograd{tile_size}", "bfloat16"]
+
+
 @pytest.mark.parametrize("tile_size,padding", [(2, "SAME"), (4, "SAME"), (2, "VALID"), (4, ((2, 1), (0, 2)))])
 def test_winograd_matches_oracle(tile_size, padding):
   x, w = rand((1, 11, 9, 6)), rand((3, 3, 6, 5), seed=1)
