@@ -111,6 +111,10 @@ class Plan:
     return (self.row_blocks - 1) * self.bh + self.rows_in
 
   @property
+  def u_resident(self) -> bool:
+    return self.bc == self.cin_p and self.bco == self.cout_p
+
+  @property
   def gemm_rows(self) -> int:
     return self.pt * self.wt * self.nb
 
@@ -129,9 +133,11 @@ def staging_dtype(nb: int):
 
 def vmem_bytes(p: Plan, x_dtype, out_dtype, wo: int) -> int:
   t = p.m + 2
-  blocks = [((p.nb, p.rows_in, p.wp, p.bc), x_dtype), ((t * t, p.bc, p.bco), x_dtype), ((1, p.bco), jnp.float32),
-            ((p.nb, p.bh, wo, p.bco), out_dtype)]
-  scratch = [((t * t, p.gemm_rows, p.bco), jnp.float32),
+  u = ((t * t, p.bc, p.bco), x_dtype)
+  blocks = [((p.nb, p.rows_in, p.wp, p.bc), x_dtype), ((1, p.bco), jnp.float32), ((p.nb, p.bh, wo, p.bco), out_dtype)]
+  blocks += [] if p.u_resident else [u]
+  scratch = [u] if p.u_resident else []
+  scratch += [((t * t, p.gemm_rows, p.bco), jnp.float32),
              ((p.m * p.m * (p.pt + 1) * (p.wt + 1), p.nb, p.bc), staging_dtype(p.nb)),
              ((t * t, p.wt * p.nb, min(LANES, p.bc)), jnp.float32),
              ((t * t, p.gemm_rows, p.bc), x_dtype)]
@@ -206,7 +212,9 @@ def call(xp, u, b, p: Plan, *, ho, wo, bt, at, activation, out_dtype, precision,
   grid = (n // p.nb, p.row_blocks, p.cout_p // p.bco, nk)
   x_spec = pl.BlockSpec((pl.Element(p.nb), pl.Element(p.rows_in), pl.Element(p.wp), pl.Element(p.bc)),
                         lambda n, i, j, k: (n * p.nb, i * p.bh, 0, k * p.bc))
-  u_spec = pl.BlockSpec((t * t, p.bc, p.bco), lambda n, i, j, k: (0, k, j))
+  # the whole transformed filter in one block is fetched once: one buffer, not two
+  u_spec = pl.BlockSpec((t * t, p.bc, p.bco), lambda n, i, j, k: (0, k, j),
+                        **({"pipeline_mode": pl.Buffered(1)} if p.u_resident else {}))
   b_spec = pl.BlockSpec((1, p.bco), lambda n, i, j, k: (0, j))
   o_spec = pl.BlockSpec((p.nb, p.bh, wo, p.bco), lambda n, i, j, k: (n, i, 0, j))
   scratch = [pltpu.VMEM((t * t, p.gemm_rows, p.bco), jnp.float32),

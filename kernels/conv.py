@@ -71,7 +71,13 @@ The multiplications fall from ``9 m^2`` per tile and channel pair to ``(m + 2)^2
 (F(2x2,3x3)) and 4x (F(4x4,3x3)) fewer MXU FLOPs; the transforms cost VPU work that grows
 with ``cin`` and ``cout`` but not with their product.
 
-The filter transform ``U = G g G^T`` runs in XLA, in f32. :func:`winograd_filter_transform`
+*Batches of 8 or 16 images* (the batched direct kernel's conditions) take a second Winograd
+kernel, :mod:`kernels._conv_winograd`: images on the sublanes, the input staged by tile phase
+so every tile entry is a slice of leading axes, the transforms in loops over tile rows and
+128-lane groups, one ``[rows, cin] x [cin, cout]`` GEMM per transform position, and the whole
+transformed filter as one block (fetched once) where VMEM allows.
+
+The filter transform ``U = G g G^T`` runs in XLA, as exact f32 sums of constant multiples. :func:`winograd_filter_transform`
 returns it as a :class:`WinogradFilter` that a layer can cache per weight update and pass to
 ``conv2d`` as ``w`` (with ``algorithm="winograd"`` or None); such a filter is forward-only
 (no gradient flows through it).
