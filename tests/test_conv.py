@@ -330,6 +330,10 @@ def test_aot_compiles_forward_and_backward(generation, algorithm, tile_size):
   for fn in (f, fb):
     comp = kernels.compile_for_tpu(fn, x, w, b, generation=generation, profile=False)
     assert "conv2d_" in comp.hlo
+  if algorithm == "winograd":  # two images: the per-image Winograd kernel (AOT_SHAPE's 8 take the batched one)
+    comp = kernels.compile_for_tpu(f, jax.ShapeDtypeStruct((2,) + AOT_SHAPE[0][1:], jnp.bfloat16), w, b,
+                                   generation=generation, profile=False)
+    assert f"conv2d_winograd_f{tile_size}" in comp.hlo and "batched" not in comp.hlo
 
 
 @pytest.mark.tpu_aot
@@ -369,7 +373,7 @@ def test_aot_compiles_benchmark_shapes(generation):
                                    xb, w, generation=generation, profile=False)
     # (below 128 channels, or where v4's 16 MiB hold no batched plan, the per-image kernel runs)
     assert ("conv2d_direct_batched" if c >= 128 and generation != "v4" else "conv2d_direct") in comp.hlo, (hw, c)
-    comp = kernels.compile_for_tpu(
+    comp = kernels.compile_for_tpu(  # batches of 16: the batched Winograd kernel where it fits, else per image
         lambda x, w: conv2d(x, w, algorithm="winograd", tile_size=4, implementation="pallas", interpret=False),
-        x, w, generation=generation, profile=False)
-    assert "tpu_custom_call" in comp.hlo and comp.vmem_bytes < kernels.get_chip(generation).vmem_bytes
+        xb, w, generation=generation, profile=False)
+    assert "conv2d_winograd_f4" in comp.hlo and comp.vmem_bytes < kernels.get_chip(generation).vmem_bytes

@@ -80,8 +80,8 @@ def winograd_jax(x, w, tile_size: int):
 def cost(cfg) -> tuple[float, float]:
   """Direct-conv FLOPs and compulsory bytes (x, w, y once; x, w, dy in and dx, dw out for the backward)."""
   n, h, c = cfg["shape"]
-  flops = 2 * n * h * h * 9 * c * c
-  x = n * h * h * c * 2
+  flops = 2 * n * cfg.get("rows", h) * h * 9 * c * c
+  x = n * cfg.get("rows", h) * h * c * 2
   wb = 9 * c * c * 2
   if cfg["mode"] == "fwd":
     return flops, 2 * x + wb
@@ -90,7 +90,7 @@ def cost(cfg) -> tuple[float, float]:
 
 def _program(cfg):
   n, h, c = cfg["shape"]
-  x = jax.ShapeDtypeStruct((n, h, h, c), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((n, cfg.get("rows", h), h, c), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((3, 3, c, c), jnp.bfloat16)
   impl = cfg["impl"]
   blocks = C.BlockSizes(**cfg["blocks"]) if cfg.get("blocks") else None
@@ -141,6 +141,30 @@ def estimate_isolated(cfg) -> dict:
   return result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)], timeout=560)
 
 
+def estimate_by_rows(cfg, block_rows: int) -> dict:
+  """The program estimated at 1 and 2 row blocks of ``block_rows`` output rows (the same batch,
+  width and channels), and the line through the two extended to all of the image's row blocks:
+  for programs whose whole profile outgrows this host's memory. Each grid step of a row block
+  does the same work, so the second block's increment is the cost of every further block (the
+  first also carries the fixed costs: the filter transform, the first fetch of the filter)."""
+  h = cfg["shape"][1]
+  blocks = -(-h // block_rows)
+  one, two = (estimate_isolated(dict(cfg, rows=k * block_rows)) for k in (1, 2))
+  if one.get("us") is None or two.get("us") is None or not (one.get("complete") and two.get("complete")):
+    bad = one if one.get("us") is None or not one.get("complete") else two
+    return {"error": f"row-block slice not estimated: {bad.get('error')}", "slices": [one, two]}
+  line = lambda f: round(one[f] + (blocks - 1) * (two[f] - one[f]), 3)  # noqa: E731
+  flops, bytes_ = cost(cfg)
+  chip = kernels.get_chip(cfg["generation"])
+  roof = max(flops / chip.peak("bfloat16"), bytes_ / chip.hbm_bandwidth) * 1e6
+  us = line("us")
+  return {"us": us, "model_us": line("model_us"), "floor_us": line("floor_us"), "complete": True,
+          "fraction_of_roofline": round(roof / us, 4), "flops": flops, "bytes": bytes_,
+          "method": f"line through {block_rows} and {2 * block_rows} rows, extended to {blocks} row blocks",
+          "slices": [{k: r.get(k) for k in ("us", "model_us", "floor_us", "complete")} | {"rows": k * block_rows}
+                     for k, r in ((1, one), (2, two))]}
+
+
 def _header(description):
   return {"description": description, "generated_by": "tools/tune_conv.py", "kind": "compiler estimate (floored)",
           "environment": {"jax": jax.__version__, "python": platform.python_version()}}
@@ -171,7 +195,7 @@ def bench(args):
           key = f"{gen}/{n}x{h}x{h}x{c}/{impl}/{mode}"
           if key in results and results[key].get("kernel") == KERNEL_VERSION and not args.force:
             continue
-          r = estimate_isolated(cfg)
+          r = estimate_by_rows(cfg, args.row_blocks) if args.row_blocks else estimate_isolated(cfg)
           r.update(cfg, dtype="bfloat16", kernel=KERNEL_VERSION)
           results[key] = r
           print(key, r.get("us"), r.get("model_us"), r.get("complete"), r.get("fraction_of_roofline"),
@@ -262,6 +286,9 @@ def main(argv=None):
                   help="(bench, tune) override the shape's batch: the cost model's profile of our kernels at N=32 "
                        "grew past 9 GB of memory on this host, so the stored comparison runs every program at a "
                        "smaller N (the key says which)")
+  ap.add_argument("--row-blocks", type=int, default=None,
+                  help="(bench) estimate at 1 and 2 blocks of this many output rows and extend the line to the "
+                       "whole image (method recorded): for programs whose whole profile outgrows this host")
   args = ap.parse_args(argv)
   if args.job == "one":
     result_tables.print_result(estimate, args.config)
