@@ -12,7 +12,9 @@ bound and is never counted as a win or a loss.
   SAME, bf16), on v5e and v6e, forward (and ``--modes fwdbwd``: forward + backward):
   ``xla`` (``lax.conv_general_dilated``), ``jax_f2`` / ``jax_f4`` (Winograd F(2x2,3x3) /
   F(4x4,3x3) in plain JAX, :func:`winograd_jax`), ``direct`` and ``winograd_f2`` /
-  ``winograd_f4`` (our kernels at their default blocks). The roofline is the direct
+  ``winograd_f4`` (our kernels at their default blocks); and, asked for by name
+  (``--impls gemm_vmem``), the ceiling of any kernel built on Mosaic's dots: a plain Pallas GEMM
+  with the convolution's FLOPs and its operands held in VMEM (:func:`gemm_in_vmem`). The roofline is the direct
   convolution's FLOPs (``2 N H W 9 Cin Cout``) against the compulsory bytes (x, w, y once):
   a Winograd "fraction of roofline" above 1 is expected (it does fewer multiplies), so its
   ``valid`` flag (which assumes the direct FLOPs) is not a verdict on it.
@@ -57,6 +59,9 @@ SHAPES = {"56x56x256": (32, 56, 256), "28x28x512": (32, 28, 512), "14x14x1024": 
           "224x224x64": (8, 224, 64)}
 GENERATIONS = ("v5e", "v6e")
 IMPLS = ("xla", "jax_f2", "jax_f4", "direct", "winograd_f2", "winograd_f4")
+# Not a convolution: the ceiling of any kernel built on Mosaic dots (see gemm_in_vmem); bench it by name.
+CEILING = "gemm_vmem"
+GEMM_ROWS = (392, 784, 1568, 3136)  # rows per grid step tried for it
 KERNEL_VERSION = 2  # 2: batches of 8 images take the batched direct kernel
 
 
@@ -88,8 +93,33 @@ def cost(cfg) -> tuple[float, float]:
   return 3 * flops, 2 * x + wb + 2 * x + wb + 2 * x  # forward, then dx and dw
 
 
+def gemm_in_vmem(rows: int, depth: int, cols: int, steps: int):
+  """A plain Pallas GEMM with a direct convolution's FLOPs and none of its data movement: each of
+  ``steps`` grid steps multiplies the same ``[rows, depth]`` bf16 block by the same
+  ``[depth, cols]`` block (fetched once: the block index never changes) and writes its
+  ``[rows, cols]`` bf16 result. With ``depth = 9 cin``, ``cols = cout`` and ``rows * steps`` the
+  output pixels, it is what any convolution kernel built on Mosaic's dots can at best reach."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+  def f(x, w):
+    return pl.pallas_call(
+        kernel, grid=(steps,), in_specs=[pl.BlockSpec((rows, depth), lambda i: (0, 0)),
+                                         pl.BlockSpec((depth, cols), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((rows, cols), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows * steps, cols), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=100 << 20), name="gemm_in_vmem")(x, w)
+  return f, (jax.ShapeDtypeStruct((rows, depth), jnp.bfloat16), jax.ShapeDtypeStruct((depth, cols), jnp.bfloat16))
+
+
 def _program(cfg):
   n, h, c = cfg["shape"]
+  if cfg["impl"] == CEILING:
+    pixels = n * h * h
+    return gemm_in_vmem(cfg["gemm_rows"], 9 * c, c, pixels // cfg["gemm_rows"])
   x = jax.ShapeDtypeStruct((n, cfg.get("rows", h), h, c), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((3, 3, c, c), jnp.bfloat16)
   impl = cfg["impl"]
@@ -135,6 +165,22 @@ def incomplete(r: dict) -> dict:
       f"incomplete: the cost model charged {', '.join(r.get('unmodeled', [])) or 'part of the work'} 0 cycles "
       f"(model {r.get('model_us')} us, HBM floor {r.get('floor_us')} us): a lower bound, not an estimate"))
   return r
+
+
+def estimate_ceiling(cfg) -> dict:
+  """:func:`gemm_in_vmem` at each row count of GEMM_ROWS that divides the output pixels: the
+  fastest, with the others in ``sweep``."""
+  n, h, c = cfg["shape"]
+  sweep = {r: estimate_isolated(dict(cfg, gemm_rows=r)) for r in GEMM_ROWS if (n * h * h) % r == 0}
+  done = {r: e for r, e in sweep.items() if e.get("us") is not None and e.get("complete")}
+  if not done:
+    return {"error": "no row count estimated", "sweep": sweep}
+  best = min(done, key=lambda r: done[r]["us"])
+  return dict(done[best], gemm_rows=best, method=(
+      f"plain Pallas GEMM [{best}, {9 * c}] x [{9 * c}, {c}] per step, operands fetched once (in VMEM), "
+      f"{n * h * h // best} steps: the direct convolution's FLOPs without its data movement; fastest of "
+      f"{sorted(sweep)} rows per step"),
+      sweep={str(r): {k: e.get(k) for k in ("us", "model_us", "complete", "error")} for r, e in sweep.items()})
 
 
 def estimate_isolated(cfg) -> dict:
@@ -195,7 +241,10 @@ def bench(args):
           key = f"{gen}/{n}x{h}x{h}x{c}/{impl}/{mode}"
           if key in results and results[key].get("kernel") == KERNEL_VERSION and not args.force:
             continue
-          r = estimate_by_rows(cfg, args.row_blocks) if args.row_blocks else estimate_isolated(cfg)
+          if impl == CEILING:
+            r = estimate_ceiling(cfg)
+          else:
+            r = estimate_by_rows(cfg, args.row_blocks) if args.row_blocks else estimate_isolated(cfg)
           r.update(cfg, dtype="bfloat16", kernel=KERNEL_VERSION)
           results[key] = r
           print(key, r.get("us"), r.get("model_us"), r.get("complete"), r.get("fraction_of_roofline"),
