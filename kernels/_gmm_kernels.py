@@ -314,35 +314,54 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
     mask = jnp.logical_and(rows >= start, rows < end)
     o_ref[...] = jnp.where(mask, val, o_ref[...])
 
-  def full_step(first: bool, last: bool):
-    p = product(lhs_ref[...], last)
-    if last:
-      o_ref[...] = scaled(p if first else acc_ref[...] + p).astype(o_ref.dtype)
-    elif first:
-      acc_ref[...] = p
-    else:
-      acc_ref[...] += p
+  # One dot site per path (the whole tile, each sub-tile): the unrolled MXU code is what
+  # libtpu's backend spends its compile time on, and a site per K-step kind (first / middle /
+  # last) tripled it. So the accumulator is zeroed on the first K step and every step adds;
+  # a K tail (k_valid < tk) adds a masked site for the last step. With one K step the
+  # products go straight out (no accumulator round trip for the whole tile).
+  one = nk == 1
+  tail = k_valid < plan.tk and not one
+  kinds = [(kk < nk - 1, False), (kk == nk - 1, True)] if tail else [(None, one)]
 
-  def partial_step(first: bool, last: bool):
+  def add(rows, when, last: bool):
+    def body():
+      if rows is None:  # the whole tile
+        p = product(lhs_ref[...], last)
+        if one:
+          o_ref[...] = scaled(p).astype(o_ref.dtype)
+        else:
+          acc_ref[...] += p
+      elif one:
+        acc_ref[rows, :] = product(lhs_ref[rows, :], last)
+      else:
+        acc_ref[rows, :] += product(lhs_ref[rows, :], last)
+    body() if when is None else pl.when(when)(body)
+
+  if not one:
+    @pl.when(jnp.logical_and(compute, kk == 0))
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  @pl.when(jnp.logical_and(compute, full))
+  def _():
+    for when, last in kinds:
+      add(None, when, last)
+    if not one:
+      @pl.when(kk == nk - 1)
+      def _():
+        o_ref[...] = scaled(acc_ref[...]).astype(o_ref.dtype)
+
+  @pl.when(jnp.logical_and(compute, jnp.logical_not(full)))
+  def _():
     sub_first, sub_last = tables.get(pref, "sub_first", v), tables.get(pref, "sub_last", v)
     for s in range(plan.tm // sub):
+      hit = jnp.logical_and(sub_first <= s, s <= sub_last)
+      for when, last in kinds:
+        add(pl.ds(s * sub, sub), hit if when is None else jnp.logical_and(hit, when), last)
 
-      @pl.when(jnp.logical_and(sub_first <= s, s <= sub_last))
-      def _():
-        p = product(lhs_ref[pl.ds(s * sub, sub), :], last)
-        if first:
-          acc_ref[pl.ds(s * sub, sub), :] = p
-        else:
-          acc_ref[pl.ds(s * sub, sub), :] += p
-    if last:
+    @pl.when(kk == nk - 1)
+    def _():
       masked_store(scaled(acc_ref[...]).astype(o_ref.dtype))
-
-  steps = [(kk == 0, True, nk == 1)] if nk == 1 else [
-      (kk == 0, True, False), (jnp.logical_and(kk > 0, kk < nk - 1), False, False), (kk == nk - 1, False, True)]
-  for when, first, last in steps:
-    pl.when(jnp.logical_and(compute, jnp.logical_and(when, full)))(functools.partial(full_step, first, last))
-    pl.when(jnp.logical_and(compute, jnp.logical_and(when, jnp.logical_not(full))))(
-        functools.partial(partial_step, first, last))
 
   @pl.when(jnp.logical_and(jnp.logical_not(compute), kk == nk - 1))
   def _():  # rows of the tail (past the groups' sum)

@@ -31,7 +31,8 @@ libtpu's profiler can abort the process on a run-time grid bound, so
 *gmm.* Grid ``(n tiles, visits, k tiles)``, semantics (parallel, arbitrary,
 arbitrary). Step ``(j, v, kk)`` multiplies the lhs block ``(tile(v), kk)`` by the rhs
 block ``(group(v), kk, j)`` into an f32 VMEM accumulator ``[tm, tn]`` (K innermost: the
-first step writes it, later ones add). A visit whose group does not cover the tile
+first step zeroes it and every step adds, so each path has one dot site, which keeps
+libtpu's compile time down; with one K step the product goes straight out). A visit whose group does not cover the tile
 multiplies only the 128-row sub-tiles its group intersects (one smaller dot each), so a
 tile shared by several small groups costs about one tile of MXU work in all, though
 each group's rhs block is still fetched. At the last K step the visit writes its rows
@@ -171,8 +172,11 @@ def _vmem_bytes(kernel: str, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, k: int
   if kernel == "gmm":
     blocks = [((tm, tk), lhs_dtype), ((tk, tn), rhs_dtype), ((tm, tn), out_dtype), ((1, tn), jnp.float32)]
     scratch = [((tm, tn), jnp.float32), ((tm, tk), lhs_dtype)]  # accumulator; Mosaic's copy of the lhs tile
-    # Mosaic gives each dot's f32 result its own VMEM: per K-step variant (one if K fits one
-    # block, else first / middle / last), the whole-tile dot and the sub-tile dots, tm rows each.
+    # Mosaic gives each dot's f32 result its own VMEM: the whole-tile dot and the sub-tile dots,
+    # tm rows each, counted for three K-step variants where K takes several blocks. The kernel
+    # now has one (two with a K tail), so this over-counts there, by more than half for the E8
+    # backward's d lhs kernel; it is kept because the shipped blocks and every stored estimate
+    # were chosen under it.
     scratch += [((tm, tn), jnp.float32)] * (2 * (1 if k is not None and tk >= k else 3))
     if jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
       scratch.append(((tk, tn), lhs_dtype))  # the converted rhs tile

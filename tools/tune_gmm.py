@@ -76,7 +76,8 @@ DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 BLOCKS_OUT = os.path.join(DATA, "gmm_blocks.json")
 BENCH_OUT = os.path.join(DATA, "gmm_bench.json")
 GENERATIONS = ("v5e", "v6e")
-KERNEL_VERSION = 2  # 2: the whole-tile and sub-tile gates are per-visit tables
+KERNEL_VERSION = 3  # 2: the whole-tile and sub-tile gates are per-visit tables; 3: one dot site per path (the
+# same code as 2 where K fits one block, e.g. the forward at the default tk)
 
 CASES = {
     "E8": dict(rows=8192, k=4096, n=14336, experts=8),
