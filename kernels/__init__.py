@@ -19,6 +19,7 @@ from kernels.parallel_scan import parallel_scan, parallel_scan_reference  # (the
 from kernels.gmm import GmmBlockSizes, gmm, gmm_reference, tgmm, tgmm_reference
 from kernels.moe import Routing, expert_capacity, moe, moe_reference, route
 from kernels.conv import (BlockSizes as ConvBlockSizes, WinogradFilter, conv2d, conv2d_reference,
+                          default_algorithm as conv2d_default_algorithm,
                           winograd_filter_transform)
 from kernels.fft import fft, fft2, fft_conv, fft_conv_reference, ifft, ifft2, irfft, irfft2, rfft, rfft2
 from kernels.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
@@ -39,7 +40,8 @@ __all__ = [
     "parallel_scan", "parallel_scan_reference",
     "GmmBlockSizes", "gmm", "gmm_reference", "tgmm", "tgmm_reference",
     "Routing", "expert_capacity", "moe", "moe_reference", "route",
-    "ConvBlockSizes", "WinogradFilter", "conv2d", "conv2d_reference", "winograd_filter_transform",
+    "ConvBlockSizes", "WinogradFilter", "conv2d", "conv2d_default_algorithm", "conv2d_reference",
+    "winograd_filter_transform",
     "fft", "fft2", "fft_conv", "fft_conv_reference", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2",
     "CHIPS", "TPU_GENERATIONS", "Chip", "CompileError", "Estimate", "EstimatorUnavailableError", "KernelError",
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",

@@ -888,16 +888,27 @@ def _check_blocks(block_sizes) -> BlockSizes:
 
 
 def _preferred_algorithm(c: _Conv, dtype) -> tuple[str, int | None]:
-  """algorithm=None: Winograd only where the shipped tuning data (conv_blocks.json
-  ``winograd``) records a complete estimate beating the direct kernel for this shape class."""
+  """algorithm=None: Winograd only where the shipped tuning data (conv_blocks.json ``winograd``,
+  written by ``tools/tune_conv.py rules``) records complete estimates of a Winograd kernel beating
+  the direct kernel, for inputs of this dtype, batch multiple, channel count and width or more."""
   if not winograd_eligible(c):
     return "direct", None
   chip = target_chip()
   entry = tiling.block_table("conv").get(chip.name if chip is not None else "v5e", {})
   for rule in entry.get("winograd", []):
-    if c.cin >= rule.get("min_cin", 1 << 30) and c.wo >= rule.get("min_width", 1 << 30):
+    if (jnp.dtype(dtype).name == rule.get("dtype") and c.n % rule.get("batch_multiple", 1) == 0
+        and c.cin >= rule.get("min_cin", 1 << 30) and c.wo >= rule.get("min_width", 1 << 30)):
       return "winograd", rule["tile_size"]
   return "direct", None
+
+
+def default_algorithm(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1),
+                      feature_group_count=1) -> tuple[str, int | None]:
+  """What :func:`conv2d` with ``algorithm=None`` runs for these arguments on the target chip
+  (:func:`kernels.backend.target_chip`, v5e off TPU): ``("winograd", tile_size)`` or
+  ``("direct", None)``. ``x`` and ``w`` may be arrays or ``jax.ShapeDtypeStruct``."""
+  c = _validate(x, w, strides, padding, rhs_dilation, feature_group_count, None)
+  return _preferred_algorithm(c, x.dtype)
 
 
 def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature_group_count=1, bias=None,

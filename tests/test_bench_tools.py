@@ -167,3 +167,25 @@ def test_split_layer_halves_compose_to_the_whole_layer(monkeypatch):
   np.testing.assert_allclose(r_value, jnp.sum(r.weights * dweights) + aux, rtol=1e-5)
   for got, want in ((edx + rdx, dx), (rdrw, drw), (ewgu, dwgu), (ewd, dwd)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_conv_row_block_line_extends_over_rows_and_blocks_of_images(monkeypatch):
+  # A program whose cost is fixed + per row block (for every block of images): the line through two
+  # slices must give back the whole program's cost, over rows alone and over blocks of images too.
+  tune_conv = _load_tool("tune_conv")
+  fixed, per = 20.0, 10.0
+  seen = []
+
+  def fake(cfg):
+    seen.append((cfg["shape"][0], cfg["rows"]))
+    us = fixed + per * cfg["rows"] / 4
+    return {"us": us, "model_us": us, "floor_us": us / 4, "complete": True}
+
+  monkeypatch.setattr(tune_conv, "estimate_isolated", fake)
+  cfg = dict(generation="v5e", impl="winograd_f4", mode="fwd", shape=[32, 28, 512])
+  whole = tune_conv.estimate_by_rows(cfg, 4, images=16)
+  assert seen == [(16, 4), (16, 8)]
+  assert whole["us"] == fixed + per * 7 * 2  # 7 row blocks x 2 blocks of 16 images, the fixed cost once
+  assert "2 blocks of images" in whole["method"]
+  assert tune_conv.estimate_by_rows(dict(cfg, shape=[16, 28, 512]), 4)["us"] == fixed + per * 7
+  assert "error" in tune_conv.estimate_by_rows(cfg, 4, images=12)

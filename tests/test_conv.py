@@ -274,11 +274,27 @@ def test_groups_and_dilation_fall_back_to_xla():
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
 
 
-def test_default_is_direct_unless_tuning_data_says_winograd():
-  c = C._validate(rand((1, 8, 8, 4)), rand((3, 3, 4, 4)), (1, 1), "SAME", (1, 1), 1, None)
-  assert C._preferred_algorithm(c, jnp.bfloat16)[0] in ("direct", "winograd")
-  c5 = C._validate(rand((1, 8, 8, 4)), rand((5, 5, 4, 4)), (1, 1), "SAME", (1, 1), 1, None)
-  assert C._preferred_algorithm(c5, jnp.bfloat16) == ("direct", None)
+def test_default_algorithm_follows_the_shipped_rules():
+  # conv_blocks.json ships one Winograd rule (v5e: bf16, batches of 16, >= 512 channels, >= 28 wide,
+  # from tools/tune_conv.py rules); everything else runs the direct kernel.
+  from kernels.backend import target
+  sds = jax.ShapeDtypeStruct
+  rule = kernels.tiling.block_table("conv")["v5e"]["winograd"][0]
+  w = sds((3, 3, 512, 512), jnp.bfloat16)
+
+  def pick(gen, shape, dtype=jnp.bfloat16, w=w, **kw):
+    with target(kernels.get_chip(gen)):
+      return kernels.conv2d_default_algorithm(sds(shape, dtype), w, **kw)
+
+  assert pick("v5e", (32, 28, 28, 512)) == pick("v5e", (16, 56, 56, 512)) == ("winograd", rule["tile_size"])
+  assert pick("v5e", (8, 28, 28, 512)) == ("direct", None)  # not a multiple of 16 images
+  assert pick("v5e", (32, 28, 28, 512), jnp.float32, w=sds((3, 3, 512, 512), jnp.float32)) == ("direct", None)
+  assert pick("v5e", (32, 14, 14, 512)) == ("direct", None)  # narrower than the rule
+  assert pick("v5e", (32, 28, 28, 256), w=sds((3, 3, 256, 256), jnp.bfloat16)) == ("direct", None)
+  assert pick("v5e", (32, 28, 28, 512), strides=2) == ("direct", None)  # Winograd serves stride 1 only
+  assert pick("v5e", (32, 28, 28, 512), w=sds((5, 5, 512, 512), jnp.bfloat16)) == ("direct", None)
+  for gen in ("v6e", "v5p", "v4"):  # no rule: no complete estimate of Winograd beating direct there
+    assert pick(gen, (32, 28, 28, 512)) == ("direct", None)
 
 
 X, W = jnp.zeros((1, 8, 8, 4)), jnp.zeros((3, 3, 4, 6))
@@ -377,3 +393,9 @@ def test_aot_compiles_benchmark_shapes(generation):
         lambda x, w: conv2d(x, w, algorithm="winograd", tile_size=4, implementation="pallas", interpret=False),
         xb, w, generation=generation, profile=False)
     assert "conv2d_winograd_f4" in comp.hlo and comp.vmem_bytes < kernels.get_chip(generation).vmem_bytes
+    with kernels.backend.target(kernels.get_chip(generation)):
+      algorithm, tile = kernels.conv2d_default_algorithm(xb, w)
+    if algorithm == "winograd":  # the default where the shipped rules pick Winograd (else: direct, above)
+      comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w, implementation="pallas", interpret=False),
+                                     xb, w, generation=generation, profile=False)
+      assert f"conv2d_winograd_f{tile}_batched" in comp.hlo

@@ -22,6 +22,8 @@ bound and is never counted as a win or a loss.
   blocks (channels per block x GEMM rows per step) at one shape per generation.
 * ``tune_batched`` -> the same file's ``batched_target_rows``: GEMM rows per step of the batched
   direct kernel, at one shape per generation, batch 16.
+* ``rules`` -> the same file's ``winograd``: where ``conv2d(algorithm=None)`` runs a Winograd
+  kernel, from the stored ``bench`` records (no estimates of its own).
 
 The cost model's profile of our kernels at N=32 grew past 9 GB of memory on the 24 GB build
 host (the direct kernel at 28x28x512), so ``--batch`` runs every program of a comparison at a
@@ -187,15 +189,27 @@ def estimate_isolated(cfg) -> dict:
   return result_tables.run_child([os.path.abspath(__file__), "one", json.dumps(cfg)], timeout=560)
 
 
-def estimate_by_rows(cfg, block_rows: int) -> dict:
-  """The program estimated at 1 and 2 row blocks of ``block_rows`` output rows (the same batch,
-  width and channels), and the line through the two extended to all of the image's row blocks:
-  for programs whose whole profile outgrows this host's memory. Each grid step of a row block
-  does the same work, so the second block's increment is the cost of every further block (the
-  first also carries the fixed costs: the filter transform, the first fetch of the filter)."""
-  h = cfg["shape"][1]
-  blocks = -(-h // block_rows)
-  one, two = (estimate_isolated(dict(cfg, rows=k * block_rows)) for k in (1, 2))
+def estimate_by_rows(cfg, block_rows: int, images: int | None = None) -> dict:
+  """The program estimated at 1 and 2 row blocks of ``block_rows`` output rows (the same width and
+  channels), and the line through the two extended to all of the image's row blocks: for programs
+  whose whole profile outgrows this host's memory. Each grid step of a row block does the same
+  work, so the second block's increment is the cost of every further block (the first also
+  carries the fixed costs: the filter transform, the first fetch of the filter).
+
+  ``images``: estimate the slices at this many images (one batch block of the kernel: 16 bf16
+  images, so ``images`` must divide the batch) and extend the line over the batch's blocks of
+  images as well: every further block of images repeats the row blocks of the first, with the
+  fixed costs paid once. That extension overestimates: for the direct kernel on v5e at
+  32x28x28x512 it gave 720.3 us against 653.2 us from the line at the full batch (the model
+  charges a grid's steps differently by where they fall), so use it only where the full
+  batch's slices outgrow the host, and say so."""
+  n, h = cfg["shape"][0], cfg["shape"][1]
+  images = images or n
+  if images != n and (n % images or images % 8):
+    return {"error": f"images={images} must be a multiple of 8 that divides the batch {n}"}
+  blocks = -(-h // block_rows) * (n // images)
+  small = dict(cfg, shape=[images, *cfg["shape"][1:]])
+  one, two = (estimate_isolated(dict(small, rows=k * block_rows)) for k in (1, 2))
   if one.get("us") is None or two.get("us") is None or not (one.get("complete") and two.get("complete")):
     bad = one if one.get("us") is None or not one.get("complete") else two
     return {"error": f"row-block slice not estimated: {bad.get('error')}", "slices": [one, two]}
@@ -204,11 +218,13 @@ def estimate_by_rows(cfg, block_rows: int) -> dict:
   chip = kernels.get_chip(cfg["generation"])
   roof = max(flops / chip.peak("bfloat16"), bytes_ / chip.hbm_bandwidth) * 1e6
   us = line("us")
+  where = f" of {images} images" if images != n else ""
+  extent = f"{-(-h // block_rows)} row blocks" + (f" x {n // images} blocks of images" if images != n else "")
   return {"us": us, "model_us": line("model_us"), "floor_us": line("floor_us"), "complete": True,
           "fraction_of_roofline": round(roof / us, 4), "flops": flops, "bytes": bytes_,
-          "method": f"line through {block_rows} and {2 * block_rows} rows, extended to {blocks} row blocks",
-          "slices": [{k: r.get(k) for k in ("us", "model_us", "floor_us", "complete")} | {"rows": k * block_rows}
-                     for k, r in ((1, one), (2, two))]}
+          "method": f"line through {block_rows} and {2 * block_rows} rows{where}, extended to {extent}",
+          "slices": [{k: r.get(k) for k in ("us", "model_us", "floor_us", "complete")}
+                     | {"rows": k * block_rows, "images": images} for k, r in ((1, one), (2, two))]}
 
 
 def _header(description):
@@ -244,7 +260,8 @@ def bench(args):
           if impl == CEILING:
             r = estimate_ceiling(cfg)
           else:
-            r = estimate_by_rows(cfg, args.row_blocks) if args.row_blocks else estimate_isolated(cfg)
+            r = (estimate_by_rows(cfg, args.row_blocks, args.images) if args.row_blocks
+                 else estimate_isolated(cfg))
           r.update(cfg, dtype="bfloat16", kernel=KERNEL_VERSION)
           results[key] = r
           print(key, r.get("us"), r.get("model_us"), r.get("complete"), r.get("fraction_of_roofline"),
@@ -322,9 +339,54 @@ def tune_batched(args):
   result_tables.save(table, BLOCKS_OUT)
 
 
+# A Winograd tile within this factor of the faster tile's time counts as fast: the smaller tile is
+# preferred there, as F(2x2,3x3) stays close to the direct method's accuracy and F(4x4,3x3) does not.
+SAME_SPEED = 1.01
+
+
+def rules(args):
+  """``conv_blocks.json`` ``winograd`` (what ``conv2d(algorithm=None)`` reads), from the stored
+  bench records: for each generation and shape where, at the same batch (the largest stored), a
+  complete forward estimate of our batched Winograd kernel beats the complete estimate of our
+  direct kernel, a rule for that dtype, batch multiple (16 images, the batched kernel's block),
+  and that channel count and width or more. The tile: F(2x2,3x3) if within ``SAME_SPEED`` of
+  F(4x4,3x3), else the faster."""
+  bench_table = result_tables.load(BENCH_OUT) or {"results": {}}
+  done = {k: r for k, r in bench_table["results"].items() if r.get("us") is not None and r.get("complete")
+          and r.get("mode") == "fwd"}
+  table = result_tables.load(BLOCKS_OUT)
+  table["winograd_description"] = (
+      "defaults[gen].winograd: where conv2d(algorithm=None) runs a Winograd kernel (tools/tune_conv.py rules): "
+      "inputs of this dtype, a batch that is a multiple of batch_multiple, at least min_cin channels and an output "
+      "at least min_width wide; evidence: the stored forward estimates (compiler estimates, floored) at the largest "
+      "batch where our direct and Winograd kernels were both estimated completely. Generations without a rule run "
+      "the direct kernel.")
+  for gen in args.generations:
+    found = []
+    for name in args.shapes:
+      _, h, c = SHAPES[name]
+      batches = sorted({r["shape"][0] for r in done.values() if r["generation"] == gen
+                        and r["shape"][1:] == [h, c] and r["impl"] == "direct" and r["shape"][0] % 16 == 0})
+      for n in reversed(batches):
+        us = {i: done.get(f"{gen}/{n}x{h}x{h}x{c}/{i}/fwd", {}).get("us") for i in ("direct", "winograd_f2",
+                                                                                    "winograd_f4")}
+        if us["winograd_f2"] is None and us["winograd_f4"] is None:
+          continue
+        fast = min(u for u in (us["winograd_f2"], us["winograd_f4"]) if u is not None)
+        if fast < us["direct"]:
+          tile = 2 if us["winograd_f2"] is not None and us["winograd_f2"] <= SAME_SPEED * fast else 4
+          found.append({"tile_size": tile, "dtype": "bfloat16", "batch_multiple": 16, "min_cin": c, "min_width": h,
+                        "evidence": {"shape": [n, h, h, c], "us": us, "kind": "compiler estimate (floored)",
+                                     "records": "kernels/data/conv_bench.json"}})
+        break
+    table["defaults"].setdefault(gen, {})["winograd"] = sorted(found, key=lambda r: (r["min_cin"], r["min_width"]))
+    print(gen, table["defaults"][gen]["winograd"], flush=True)
+  result_tables.save(table, BLOCKS_OUT)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("job", choices=("bench", "tune", "tune_batched", "one"))
+  ap.add_argument("job", choices=("bench", "tune", "tune_batched", "rules", "one"))
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
   ap.add_argument("--generations", nargs="*", default=list(GENERATIONS))
   ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
@@ -338,11 +400,15 @@ def main(argv=None):
   ap.add_argument("--row-blocks", type=int, default=None,
                   help="(bench) estimate at 1 and 2 blocks of this many output rows and extend the line to the "
                        "whole image (method recorded): for programs whose whole profile outgrows this host")
+  ap.add_argument("--images", type=int, default=None,
+                  help="(bench, with --row-blocks) estimate the row-block slices at this many images (one batch "
+                       "block of the kernel, 16 for bf16) and extend the line over the batch's blocks of images too: "
+                       "for a batch whose slices outgrow this host (N=32 on v5e)")
   args = ap.parse_args(argv)
   if args.job == "one":
     result_tables.print_result(estimate, args.config)
   else:
-    {"bench": bench, "tune": tune, "tune_batched": tune_batched}[args.job](args)
+    {"bench": bench, "tune": tune, "tune_batched": tune_batched, "rules": rules}[args.job](args)
 
 
 if __name__ == "__main__":
