@@ -925,7 +925,8 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     bias: ``[cout]`` or None, added in f32 before the activation.
     activation: None, ``"relu"``, ``"silu"``, ``"gelu"`` (exact) or ``"gelu_tanh"``.
     algorithm: ``"direct"``, ``"winograd"`` (3x3, stride 1, undilated, ungrouped; else
-      KernelError) or None (Winograd where the shipped tuning data says it wins, else direct).
+      KernelError) or None (Winograd where the shipped tuning data says it wins, else direct;
+      :func:`default_algorithm` says which).
     tile_size: Winograd's output tile, 2 (F(2x2,3x3)) or 4 (F(4x4,3x3), the default).
     precision: passed to the kernels' dots and to XLA's conv.
     out_dtype: the result dtype (default ``x``'s).
