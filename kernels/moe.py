@@ -64,8 +64,10 @@ gathers the cotangent by the inverse permutation (the dispatch's summing a token
 for a gather (a scatter is serialised on a TPU). A gather that feeds a sum over a
 token's choices is written as ``top_k`` gathers of ``[tokens, d]`` added elementwise,
 not as one ``[tokens, top_k, d]`` gather reduced over its middle axis
-(:func:`_gather_sum`). The grouped matmuls' backward is :func:`kernels.gmm.gmm`'s own (a
-``gmm`` with the transposed weights for the activations, a ``tgmm`` for the weights).
+(:func:`_gather_sum`). Rows are gathered in their own dtype and widened to f32 after: a
+gather is written to HBM, and f32 rows would double its bytes. The grouped matmuls'
+backward is :func:`kernels.gmm.gmm`'s own (a ``gmm`` with the transposed weights for the
+activations, a ``tgmm`` for the weights).
 
 Passing ``w_up=None`` with ``w_gate`` of shape ``[experts, d, 2f]`` (the gate weights in
 the first ``f`` columns, the up weights in the last) skips the concatenation, which
@@ -300,7 +302,10 @@ def _combine_bwd(res, g):
   top_k = position.shape[1]
   g32 = g.astype(jnp.float32)
   # d ys[p] = weights[a] * g[token of a] for the assignment a = order[p]: one gather of g.
-  dys = (g32[order // top_k] * weights.reshape(-1)[order][:, None].astype(jnp.float32)).astype(ys.dtype)
+  # (Gathered in g's dtype and widened after: a gather is written to HBM, and f32 rows would
+  # double its bytes and its consumer's.)
+  dys = (g[order // top_k].astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+         ).astype(ys.dtype)
   # d weights[t, s] = <g[t], ys[position[t, s]]>: a row gather per choice, then a row dot.
   dw = jnp.stack([jnp.sum(g32 * ys[position[:, s]].astype(jnp.float32), axis=-1) for s in range(top_k)], axis=1)
   return dys, dw.astype(weights.dtype), None, None
