@@ -347,8 +347,7 @@ for top_k, cf in ((2, 1.25),):  # the capacity path: drops, and rows past the su
   assert comp.hlo.count("tpu_custom_call") >= 6, comp.hlo.count("tpu_custom_call")
   assert comp.vmem_bytes is None or comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
   # The permutations move rows in the activations' dtype, both ways: a gather is written to
-  # HBM, so an f32 gather of [tokens * top_k, d] rows would double its bytes (the combine's
-  # backward once gathered its cotangent widened to f32).
+  # HBM, so an f32 gather of [tokens * top_k, d] rows would double its bytes.
   wide = re.compile(rf"\\s*(ROOT )?%[\\w.-]*gather[\\w.-]* = f32\\[{t * top_k},{d}\\]")
   assert not [line for line in comp.hlo.splitlines() if wide.match(line)], gen
 print("ok")
