@@ -1,4 +1,5 @@
 import os
+import re
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # 8 CPU devices for the multi-chip tests (tests/test_distributed.py), set before JAX starts; every
@@ -17,8 +18,8 @@ cpu_programs_compile_unoptimized()
 
 # The AOT tests that also run in CI's second pass (Python 3.12, newest jax), marked `aot_smoke`
 # here rather than in the test files. That pass selects
-#     -m "not notebook and (not tpu_aot or aot_smoke)"
-# i.e. every unit and interpret-mode test (what changes with the jax version) plus this list: the
+#     -m "not notebook and (newest_jax or aot_smoke)"
+# i.e. the unit and interpret-mode tests marked `newest_jax` (below) plus this list: the
 # TPU lowering of each kernel at its defaults, forward and backward, on one generation each (spread
 # over the generations), the child-process compile path (v4), the compiler-error classification
 # and the cost model. The full AOT matrix (every kernel, v4/v5e/v5p/v6e, defaults and benchmark
@@ -51,6 +52,16 @@ AOT_SMOKE = (
     "tests/test_distributed.py::test_aot_compiles_on_multichip_topologies[v5e-v5e:2x4]",
 )
 
+# The unit and interpret-mode tests CI's newest-jax pass runs, marked `newest_jax` here: what the
+# jax version can break in a kernel's use (forward against its reference, gradients, composition
+# with jit/vmap/grad/shard_map, the errors bad input gets) in every module, plus the cheap modules
+# whole. The deeper interpret-mode properties (hypothesis shape sweeps, race detection, stale VMEM,
+# float64 check_grads) test the kernels' own logic, which the version does not change: they run once,
+# in `make test`. This halves that pass (CI's 30-minute budget).
+NEWEST_JAX_NAMES = re.compile(r"match|gradient|equal|compose|bad_input|reference|kernel_error")
+NEWEST_JAX_MODULES = ("test_backend.py", "test_hardware_roofline.py", "test_style.py", "test_site_tools.py",
+                      "test_traffic.py")
+
 # Scheduling. xdist (`--dist loadgroup`) hands tests out one at a time, in collection order, to
 # whichever worker is free: starting with the longest tests (notebooks, 1-3 min each, then the
 # AOT compiles) keeps both workers busy to the end instead of leaving one with a long tail.
@@ -75,6 +86,11 @@ def pytest_collection_modifyitems(config, items):
   for nodeid in AOT_SMOKE:
     if nodeid in by_id:
       by_id[nodeid].add_marker(pytest.mark.aot_smoke)
+  for item in items:
+    if "tpu_aot" not in item.keywords and "notebook" not in item.keywords and (
+        NEWEST_JAX_NAMES.search(getattr(item, "originalname", item.name))
+        or item.nodeid.split("::")[0].endswith(NEWEST_JAX_MODULES)):
+      item.add_marker(pytest.mark.newest_jax)
   if "aot_smoke" in (config.option.markexpr or "") and not any("::" in arg for arg in config.args):
     stale = [nodeid for nodeid in AOT_SMOKE if nodeid not in by_id]
     if stale:
