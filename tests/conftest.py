@@ -57,7 +57,7 @@ AOT_SMOKE = (
 # with jit/vmap/grad/shard_map, the errors bad input gets) in every module, plus the cheap modules
 # whole. The deeper interpret-mode properties (hypothesis shape sweeps, race detection, stale VMEM,
 # float64 check_grads) test the kernels' own logic, which the version does not change: they run once,
-# in `make test`. This halves that pass (CI's 30-minute budget).
+# in `make test`. This keeps about half of that pass's CPU time (CI's 30-minute budget).
 NEWEST_JAX_NAMES = re.compile(r"match|gradient|equal|compose|bad_input|reference|kernel_error")
 NEWEST_JAX_MODULES = ("test_backend.py", "test_hardware_roofline.py", "test_style.py", "test_site_tools.py",
                       "test_traffic.py")
