@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels
+from tests import EXTRA_AOT_GENERATIONS
 
 # The module (flash_attention the function is exported from kernels/__init__.py).
 att = importlib.import_module("kernels.attention")
@@ -668,7 +669,7 @@ def test_causal_estimate_charges_every_visible_block(backward):
 
 
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+@pytest.mark.parametrize("generation", EXTRA_AOT_GENERATIONS)
 def test_aot_folded_tiled_and_banded_grids(generation, monkeypatch):
   # Mosaic compiles the folded causal grids with static tile patterns and the window's band grid,
   # forward and backward, with dq fused into the dk/dv kernel and (FUSED_DQ_VMEM = 0) in its own
@@ -776,7 +777,7 @@ def test_rope_bad_input_names_the_argument():
 
 
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+@pytest.mark.parametrize("generation", EXTRA_AOT_GENERATIONS)
 def test_aot_rope_forward_and_backward_at_defaults(generation):
   # RoPE inside the kernels: one custom call forward (no rotation pass over q or k in HBM), BSHD
   # read in place, and the backward's kernels (dk/dv with dq fused, or a dq kernel too).

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from tests import EXTRA_AOT_GENERATIONS
 
 kfft = importlib.import_module("kernels.fft")  # the module (``kernels.fft`` is also the function)
 
@@ -467,8 +468,8 @@ print("ok")
 
 
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("which", ["bench", "paths", "conv"])
-@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+@pytest.mark.parametrize("generation,which", [(g, "bench") for g in kernels.TPU_GENERATIONS] + [
+    (g, which) for which in ("paths", "conv") for g in EXTRA_AOT_GENERATIONS])  # the plans differ in rows only
 def test_aot_compiles_forward_and_backward(generation, which):
   import os
   import subprocess
