@@ -616,14 +616,15 @@ bf16 = jnp.bfloat16
 @pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
 def test_aot_compiles_at_defaults(generation):
   comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b), sds((2048, 2048), bf16), sds((2048, 2048), bf16),
-                                 generation=generation)
+                                 generation=generation, profile=False)
   assert "tpu_custom_call" in comp.hlo and comp.vmem_bytes > 1 << 20
   # an odd shape: M and K not multiples of the blocks (partial M block, masked K tail), with epilogue.
   # (Dims whose padding XLA:TPU would avoid by a column-major default layout, e.g. N=777, make XLA
   # insert a relayout copy before the kernel; see the module docstring.)
   comp = kernels.compile_for_tpu(
       lambda a, b, c: matmul(a, b, bias=c, activation="gelu", dropout_rate=0.1, dropout_key=jax.random.key(0)),
-      sds((1000, 3000), bf16), sds((3000, 768), bf16), sds((768,), jnp.float32), generation=generation)
+      sds((1000, 3000), bf16), sds((3000, 768), bf16), sds((768,), jnp.float32), generation=generation,
+      profile=False)
   assert "tpu_custom_call" in comp.hlo
 
 
@@ -650,7 +651,7 @@ def test_aot_unaligned_shapes_compile_without_relayout_copies(generation):
 def test_layout_rule_matches_xla():
   import re
   for shape in [(4096, 50257), (7000, 1000), (256, 5000), (5000, 7000), (1000, 5000), (999, 256)]:
-    comp = kernels.compile_for_tpu(lambda x: x + 1, sds(shape, bf16), generation="v5e")
+    comp = kernels.compile_for_tpu(lambda x: x + 1, sds(shape, bf16), generation="v5e", profile=False)
     layout = re.search(r"entry_computation_layout=\{\(\S+?\{([0-9,]+)", comp.hlo).group(1)
     assert (layout == "0,1") == mm.xla_lays_out_column_major(shape, bf16), (shape, layout)
 
@@ -661,12 +662,13 @@ def test_aot_transposes_batch_and_backward():
   # copy op in HBM, forward or backward.
   for ta, tb in itertools.product([False, True], repeat=2):
     comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b, transpose_a=ta, transpose_b=tb, activation="relu"),
-                                   sds((4, 512, 512), bf16), sds((1024, 512) if tb else (512, 1024), bf16))
+                                   sds((4, 512, 512), bf16), sds((1024, 512) if tb else (512, 1024), bf16),
+                                   profile=False)
     assert _hlo_ops(comp.hlo) <= {"parameter", "bitcast", "custom-call", "reshape"}, _hlo_ops(comp.hlo)
   grad = jax.grad(lambda a, b, c: matmul(a, b, bias=c, activation="silu", transpose_b=True).astype(jnp.float32).sum(),
                   argnums=(0, 1, 2))
   comp = kernels.compile_for_tpu(grad, sds((512, 1024), bf16), sds((768, 1024), bf16), sds((768,), jnp.float32),
-                                 generation="v5p")
+                                 generation="v5p", profile=False)
   assert comp.hlo.count("tpu_custom_call") >= 3  # forward, dA and dB all on the kernel
   assert not _hlo_ops(comp.hlo) & {"transpose", "copy"}, _hlo_ops(comp.hlo)
 
@@ -675,7 +677,8 @@ def test_aot_transposes_batch_and_backward():
 def test_aot_raises_vmem_limit_for_large_blocks():
   # 2 x (1024x2048 + 2048x1024 + 1024x1024) bf16 + 1024x1024 f32 = 24 MiB: above v5e's 16 MiB default
   comp = kernels.compile_for_tpu(lambda a, b: matmul(a, b, block_sizes=BlockSizes(1024, 2048, 1024)),
-                                 sds((2048, 4096), bf16), sds((4096, 2048), bf16), generation="v5e")
+                                 sds((2048, 4096), bf16), sds((4096, 2048), bf16), generation="v5e",
+                                 profile=False)
   assert comp.vmem_bytes > 16 * 2 ** 20
 
 
@@ -683,7 +686,7 @@ def test_aot_raises_vmem_limit_for_large_blocks():
 def test_aot_f32_precisions():
   for precision in (None, "highest"):
     kernels.compile_for_tpu(lambda a, b: matmul(a, b, precision=precision), sds((512, 512), jnp.float32),
-                            sds((512, 512), jnp.float32), generation="v5e")
+                            sds((512, 512), jnp.float32), generation="v5e", profile=False)
 
 
 @pytest.mark.tpu_aot
@@ -707,7 +710,7 @@ def test_aot_quantized(generation):
     # (a [1024, 3000] fp8 would get an XLA relayout copy before the kernel, which crashes libtpu's cost model)
     args = (sds((1000, 3000), dtype), sds((3000, 768), dtype), sds((1000,), jnp.float32), sds((768,), jnp.float32))
     if jnp.dtype(dtype).name in mm.MXU_DTYPES[generation]:
-      assert "tpu_custom_call" in kernels.compile_for_tpu(q, *args, generation=generation).hlo
+      assert "tpu_custom_call" in kernels.compile_for_tpu(q, *args, generation=generation, profile=False).hlo
     else:  # v4: Mosaic has no int8/fp8 MXU path; Pallas refuses with a KernelError naming dtype and chip
       rule = f"{jnp.dtype(dtype).name} matmul does not lower on TPU {generation}"
       with pytest.raises(kernels.KernelError, match=rule):
