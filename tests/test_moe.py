@@ -330,7 +330,7 @@ def test_bad_input_names_the_argument():
 _AOT_PROGRAM = """
 import re, sys, jax, jax.numpy as jnp, kernels
 from kernels.moe import moe
-gen, bf16, sds = sys.argv[1], jnp.bfloat16, jax.ShapeDtypeStruct
+gen, which, bf16, sds = sys.argv[1], sys.argv[2], jnp.bfloat16, jax.ShapeDtypeStruct
 
 def fwd_bwd(top_k, capacity_factor):
   def loss(x, rw, wg, wu, wd, dy):
@@ -338,9 +338,21 @@ def fwd_bwd(top_k, capacity_factor):
     return jnp.sum(y.astype(jnp.float32) * dy) + aux["load_balancing_loss"] + aux["z_loss"]
   return jax.value_and_grad(loss, argnums=range(5))
 
+def layer_args(t, d, e, f):
+  return (sds((t, d), bf16), sds((d, e), jnp.float32), sds((e, d, f), bf16), sds((e, d, f), bf16),
+          sds((e, f, d), bf16), sds((t, d), bf16))
+
+# The benchmark cases (tools/bench_moe.py, dropless): (tokens, d, f, experts, top_k)
+BENCH = {"E8_top2": (8192, 4096, 14336, 8, 2), "E64_top8": (8192, 2048, 1408, 64, 8)}
+if which in BENCH:  # the default blocks at the layer's own matmul shapes (gate and up fused: n = 2f)
+  t, d, f, e, top_k = BENCH[which]
+  comp = kernels.compile_for_tpu(fwd_bwd(top_k, None), *layer_args(t, d, e, f), generation=gen)
+  assert comp.hlo.count("tpu_custom_call") == 6, comp.hlo.count("tpu_custom_call")
+  assert comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
+  print("ok")
+  sys.exit(0)
 t, d, e, f = 256, 256, 8, 256
-args = (sds((t, d), bf16), sds((d, e), jnp.float32), sds((e, d, f), bf16), sds((e, d, f), bf16),
-        sds((e, f, d), bf16), sds((t, d), bf16))
+args = layer_args(t, d, e, f)
 for top_k, cf in ((2, 1.25),):  # the capacity path: drops, and rows past the sum
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, cf), *args, generation=gen)
   # the Pallas grouped matmuls: 2 forward, 2 for d lhs and 2 tgmm for d rhs
@@ -357,10 +369,24 @@ print("ok")
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
 def test_aot_compiles_forward_and_backward(generation):
+  _aot(generation, "small")
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("case", ["E8_top2", "E64_top8"])
+@pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
+def test_aot_compiles_benchmark_shapes(generation, case):
+  # The layer's grouped matmuls at the benchmark shapes are kernels of their own: gate and up fused
+  # (n = 2f, e.g. one 2816-wide block at E=64), down (k = f, rhs not transposed), and their backward
+  # gmm and tgmm. tests/test_gmm.py compiles gmm's own benchmark shapes, not these.
+  _aot(generation, case)
+
+
+def _aot(generation, which):
   import os
   import subprocess
   import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAM, generation], capture_output=True, text=True,
-                        timeout=600, env=env)
+  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAM, generation, which], capture_output=True, text=True,
+                        timeout=1200, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
