@@ -53,10 +53,11 @@ How the layer works
 
 ``moe`` routes, then *permutes* the tokens (a gather of row ``order // top_k``, so each
 token appears once per choice), then runs the gate and up projections as one ``gmm``
-over the experts' concatenated ``[d, 2f]`` weights, then ``activation(gate) * up``, then
-the down projection as a second ``gmm``, then *combines*: each token gathers its
-``top_k`` rows (by ``Routing.position``) and sums them weighted by the routing weights,
-in f32.
+over the experts' concatenated ``[d, 2f]`` weights, then ``activation(gate) * up``
+(its backward a small Pallas kernel, :func:`_glu`, that writes ``d [gate | up]`` in one
+pass), then the down projection as a second ``gmm``, then *combines*: each token gathers
+its ``top_k`` rows (by ``Routing.position``) and sums them weighted by the routing
+weights, in f32.
 
 The permutations are gathers both ways: each forward gathers rows, and its custom VJP
 gathers the cotangent by the inverse permutation (the dispatch's summing a token's
@@ -87,8 +88,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import tiling
+from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, check
 from kernels.gmm import gmm
+from kernels.hardware import get_chip
 
 __all__ = ["Routing", "expert_capacity", "moe", "moe_reference", "route"]
 
@@ -315,6 +322,95 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 # ---------------------------------------------------------------------------------
+# The activation product, and its backward kernel
+# ---------------------------------------------------------------------------------
+
+
+def _glu_xla(h, activation):
+  f = h.shape[1] // 2
+  return (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(h.dtype)
+
+
+def _glu_backward_kernel(g_ref, u_ref, d_ref, o_ref, *, activation):
+  # Step (i, j, half) writes column block j of d gate (half 0) or of d up (half 1). Both halves
+  # read the same three input blocks, and Pallas does not fetch a block again when its index
+  # does not change between consecutive steps, so each input is read from HBM once.
+  act = ACTIVATIONS[activation]
+  f32 = lambda ref: ref[...].astype(jnp.float32)  # noqa: E731
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    o_ref[...] = jax.vjp(act, f32(g_ref))[1](f32(d_ref) * f32(u_ref))[0].astype(o_ref.dtype)
+
+  @pl.when(pl.program_id(2) == 1)
+  def _():
+    o_ref[...] = (f32(d_ref) * act(f32(g_ref))).astype(o_ref.dtype)
+
+
+GLU_BLOCK_ELEMENTS = 2**20  # elements per block: 2 MiB of bf16 (compiler estimates: smaller blocks pay per-step overhead)
+
+
+def _glu_plan(rows: int, f: int, itemsize: int) -> tuple[int, int, int | None]:
+  """``(tm, tn, vmem_limit_bytes)``: ``tn`` the widest multiple of 128 up to 2048 that
+  divides ``f``; ``tm`` the most rows, a power of two from 8 to 1024, with at most
+  :data:`GLU_BLOCK_ELEMENTS` per block and the step's VMEM within the core's."""
+  chip = target_chip() or get_chip("v5e")
+  tn = max(t for t in range(128, min(f, 2048) + 1, 128) if f % t == 0)
+  per_element = 8 * itemsize + 3 * 4  # three inputs and one output, double-buffered; f32 temporaries
+  tm = 1024
+  while tm > 8 and (tm * tn > GLU_BLOCK_ELEMENTS or 1.25 * tm * tn * per_element + 2**20 > chip.vmem_bytes):
+    tm //= 2
+  tm = rows if rows <= tm else tm
+  return tm, tn, tiling.vmem_limit(tm * tn * per_element, chip, argument="h", value=f"[{rows}, {2 * f}]")
+
+
+def _glu_backward_pallas(h, d, *, activation, interpret):
+  rows, f = d.shape
+  tm, tn, limit = _glu_plan(rows, f, jnp.dtype(h.dtype).itemsize)
+  nf = f // tn
+  return pl.pallas_call(
+      functools.partial(_glu_backward_kernel, activation=activation),
+      grid=(tiling.cdiv(rows, tm), nf, 2),
+      in_specs=[pl.BlockSpec((tm, tn), lambda i, j, s: (i, j)),        # gate: h[:, :f]
+                pl.BlockSpec((tm, tn), lambda i, j, s: (i, j + nf)),   # up: h[:, f:]
+                pl.BlockSpec((tm, tn), lambda i, j, s: (i, j))],       # d act
+      out_specs=pl.BlockSpec((tm, tn), lambda i, j, s: (i, j + s * nf)),
+      out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                           vmem_limit_bytes=limit),
+      interpret=interpret, name="glu_backward")(h, h, d)
+
+
+def _glu(h, activation: str = "silu", *, implementation=None, interpret=None):
+  """``activation(h[:, :f]) * h[:, f:]`` for ``h`` ``[rows, 2f]`` (f32 math, ``h``'s dtype out).
+
+  The forward is XLA's: one fusion reads ``h`` and writes the product. The backward is a
+  Pallas kernel that reads ``h`` and the cotangent once and writes ``d h`` once. XLA's
+  autodiff writes the gradients of the two halves, then reads them back and writes them
+  again, zero-padded and added, as ``[rows, 2f]``: 1.8x the bytes. The kernel needs ``f``
+  a multiple of 128 (its column blocks); otherwise the backward is XLA's.
+  """
+
+  @jax.custom_vjp
+  def run(h):
+    return _glu_xla(h, activation)
+
+  def run_fwd(h):
+    return run(h), h
+
+  def run_bwd(h, d):
+    f = d.shape[1]
+    xla = lambda h, d: jax.vjp(functools.partial(_glu_xla, activation=activation), h)[1](d)[0]  # noqa: E731
+    if f % 128 or implementation == "xla":
+      return (xla(h, d),)
+    pallas = functools.partial(_glu_backward_pallas, activation=activation)
+    return (dispatch("moe", h, d, pallas=pallas, xla=xla, implementation=implementation, interpret=interpret),)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(h)
+
+
+# ---------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------
 
@@ -349,18 +445,19 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
   kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
   grouped = lambda lhs, rhs: gmm(lhs, rhs, r.group_sizes, **kw)  # noqa: E731
-  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped), _aux(r)
+  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped, implementation=implementation,
+                       interpret=interpret), _aux(r)
 
 
-def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
+def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped, *, implementation=None,
+                  interpret=None):
   """Permute, the two grouped matmuls (``grouped(lhs, rhs)``) with the activation product
   between them, and the combine: the layer after routing. ``tools/bench_moe.py`` runs
   it on other grouped matmuls."""
   top_k = r.expert_ids.shape[1]
-  f = w_gate_up.shape[2] // 2
   xs = _dispatch(x, r.order, r.position, top_k)                       # [tokens * top_k, d]
   h = grouped(xs, w_gate_up.astype(x.dtype))                          # [tokens * top_k, 2f]
-  act = (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(x.dtype)
+  act = _glu(h, activation, implementation=implementation, interpret=interpret)  # [tokens * top_k, f]
   ys = grouped(act, w_down.astype(x.dtype))                           # [tokens * top_k, d]
   return _combine(ys, r.weights, r.order, r.position).astype(x.dtype)
 
