@@ -269,6 +269,45 @@ def test_permutation_vjps_are_gathers():
         (e.primitive.name, v.aval.shape) for e in eqns for v in e.outvars if len(v.aval.shape) > 2]
 
 
+@pytest.mark.parametrize("rows, f", [(200, 128), (1100, 256), (40, 384)])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_glu_backward_kernel_matches_autodiff(rows, f, activation, dtype):
+  # Row counts that leave a partial last block (1100 rows: blocks of 1024), column blocks of 128,
+  # 256 and 384; d gate and d up against XLA's autodiff of the same product.
+  from kernels.moe import _glu, _glu_xla
+  h, d = rand((rows, 2 * f), 1, 2.0, dtype), rand((rows, f), 2, 1.0, dtype)
+  y, vjp = jax.vjp(lambda h: _glu(h, activation, interpret=True), h)
+  want_y, want_vjp = jax.vjp(lambda h: _glu_xla(h, activation), h)
+  got, want = vjp(d)[0], want_vjp(d)[0]
+  assert got.dtype == dtype and got.shape == h.shape
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y, np.float32))
+  tol = 1e-5 if dtype == jnp.float32 else 2 ** -7  # bf16: one rounding of the f32 result apart
+  scale = np.abs(np.asarray(want, np.float32)).max()
+  assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= tol * scale
+
+
+def test_glu_backward_runs_the_kernel_only_where_f_fits_its_blocks():
+  from kernels.moe import _glu
+
+  def kernels_in(f):
+    h, d = rand((16, 2 * f)), rand((16, f))
+    jaxpr = jax.make_jaxpr(lambda h, d: jax.vjp(lambda h: _glu(h, "silu", interpret=True), h)[1](d))(h, d)
+    return [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+  assert len(kernels_in(128)) == 1
+  assert not kernels_in(96)  # f not a multiple of 128: XLA's backward
+
+
+def test_gradients_match_dense_reference_with_the_glu_kernel():
+  # f = 128: the layer's activation backward runs the Pallas kernel (f = 16 elsewhere runs XLA's).
+  args = layer(tokens=16, d=32, experts=4, f=128)
+  got = jax.grad(_loss(moe, interpret=True, top_k=2), argnums=range(5))(*args)
+  want = jax.grad(_loss(moe_reference, top_k=2), argnums=range(5))(*args)
+  for name, g, w in zip(("x", "router_w", "w_gate", "w_up", "w_down"), got, want):
+    w = np.asarray(w, np.float32)
+    assert np.abs(np.asarray(g, np.float32) - w).max() <= 1e-4 * np.abs(w).max(), name
+
+
 def _eqns(jaxpr):
   """Every equation of ``jaxpr``, nested ones (custom VJPs, jit calls) included."""
   for e in jaxpr.eqns:
@@ -347,7 +386,8 @@ BENCH = {"E8_top2": (8192, 4096, 14336, 8, 2), "E64_top8": (8192, 2048, 1408, 64
 if which in BENCH:  # the default blocks at the layer's own matmul shapes (gate and up fused: n = 2f)
   t, d, f, e, top_k = BENCH[which]
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, None), *layer_args(t, d, e, f), generation=gen)
-  assert comp.hlo.count("tpu_custom_call") == 6, comp.hlo.count("tpu_custom_call")
+  # 6 grouped matmuls (2 forward, 2 gmm for d lhs, 2 tgmm for d rhs) and the activation's backward
+  assert comp.hlo.count("tpu_custom_call") == 7, comp.hlo.count("tpu_custom_call")
   assert comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
   print("ok")
   sys.exit(0)
@@ -355,8 +395,8 @@ t, d, e, f = 256, 256, 8, 256
 args = layer_args(t, d, e, f)
 for top_k, cf in ((2, 1.25),):  # the capacity path: drops, and rows past the sum
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, cf), *args, generation=gen)
-  # the Pallas grouped matmuls: 2 forward, 2 for d lhs and 2 tgmm for d rhs
-  assert comp.hlo.count("tpu_custom_call") >= 6, comp.hlo.count("tpu_custom_call")
+  # the Pallas grouped matmuls (2 forward, 2 for d lhs and 2 tgmm for d rhs), the activation's backward
+  assert comp.hlo.count("tpu_custom_call") >= 7, comp.hlo.count("tpu_custom_call")
   assert comp.vmem_bytes is None or comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
   # The permutations move rows in the activations' dtype, both ways: a gather is written to
   # HBM, so an f32 gather of [tokens * top_k, d] rows would double its bytes.

@@ -202,7 +202,11 @@ def dense_layer(case, capacity_factor=CAPACITY, group=DENSE_GROUP):
     xe = jnp.einsum("Gtx,Gtd->Gxd", dispatch, x.reshape(n_groups, g, d))
     xe = xe.reshape(n_groups, e, cap, d).transpose(1, 0, 2, 3).reshape(e, n_groups * cap, d)
     h = jnp.einsum("ecd,edf->ecf", xe, w_gate_up)
-    a = moe_mod._glu(h.reshape(-1, h.shape[-1]), "silu").reshape(*h.shape[:-1], -1)  # as the grouped layers
+    # XLA's activation backward, not kernels.moe's kernel: wired into this [experts, capacity, 2f]
+    # layout (flattened to rows), the kernel made this layer slower in pieces (v6e, E8: the forward's
+    # piece around the activation grew by more than the backward's shrank).
+    f = w_gate_up.shape[2] // 2
+    a = (jax.nn.silu(h[..., :f].astype(jnp.float32)) * h[..., f:].astype(jnp.float32)).astype(x.dtype)
     ye = jnp.einsum("ecf,efd->ecd", a, w_down)
     ye = ye.reshape(e, n_groups, cap, d).transpose(1, 0, 2, 3).reshape(n_groups, e * cap, d)
     y = jnp.einsum("Gtx,Gxd->Gtd", combine, ye).reshape(t, d)
