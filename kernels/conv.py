@@ -106,6 +106,17 @@ pre-activation with the forward kernel (one more forward conv) to form ``dz``.
 
 ``feature_group_count > 1`` and ``rhs_dilation != (1, 1)`` run on the XLA path (the Pallas
 path raises NotImplementedError so dispatch falls back).
+
+Which program ``algorithm=None`` runs
+-------------------------------------
+
+From shipped data, not from a heuristic: ``tools/tune_conv.py rules`` reads the stored
+compiler estimates (``conv_bench.json``) and writes rules per generation into
+``conv_blocks.json``. A ``winograd`` rule picks a Winograd tile where a Winograd kernel beat
+the direct one; an ``xla`` rule hands the call to XLA's convolution (with
+``implementation=None``) where XLA beat every kernel of ours at the same batch. Each rule
+covers its dtype, a multiple of its batch, and its channel count and width or more, for
+3x3 stride-1 convolutions. :func:`default_algorithm` says what a call will run.
 """
 from __future__ import annotations
 
@@ -887,28 +898,56 @@ def _check_blocks(block_sizes) -> BlockSizes:
   return block_sizes
 
 
+def _rule_applies(rule: dict, c: _Conv, dtype) -> bool:
+  """A shipped rule covers inputs of its dtype, a batch that is a multiple of its
+  ``batch_multiple``, and at least its channel count and output width."""
+  return (jnp.dtype(dtype).name == rule.get("dtype") and c.n % rule.get("batch_multiple", 1) == 0
+          and c.cin >= rule.get("min_cin", 1 << 30) and c.wo >= rule.get("min_width", 1 << 30))
+
+
+def _rules(kind: str) -> list:
+  chip = target_chip()
+  return tiling.block_table("conv").get(chip.name if chip is not None else "v5e", {}).get(kind, [])
+
+
+def _prefer_xla(c: _Conv, dtype) -> str | None:
+  """Why ``algorithm=None`` hands this call to XLA, or None. Only where the shipped tuning data
+  (conv_blocks.json ``xla``, written by ``tools/tune_conv.py rules``) records complete estimates
+  of XLA's convolution beating every kernel of ours at the same batch, for 3x3 stride-1
+  convolutions of this dtype, batch multiple, channel count and width or more."""
+  if not winograd_eligible(c):
+    return None
+  for rule in _rules("xla"):
+    if _rule_applies(rule, c, dtype):
+      ev = rule.get("evidence", {})
+      return (f"the shipped tuning data has XLA's convolution faster than our kernels here "
+              f"({ev.get('kind', 'compiler estimates')} at {ev.get('shape')}: {ev.get('us')})")
+  return None
+
+
 def _preferred_algorithm(c: _Conv, dtype) -> tuple[str, int | None]:
-  """algorithm=None: Winograd only where the shipped tuning data (conv_blocks.json ``winograd``,
-  written by ``tools/tune_conv.py rules``) records complete estimates of a Winograd kernel beating
-  the direct kernel, for inputs of this dtype, batch multiple, channel count and width or more."""
+  """Our kernel for algorithm=None: Winograd only where the shipped tuning data (conv_blocks.json
+  ``winograd``, written by ``tools/tune_conv.py rules``) records complete estimates of a Winograd
+  kernel beating the direct kernel, for inputs of this dtype, batch multiple, channel count and
+  width or more."""
   if not winograd_eligible(c):
     return "direct", None
-  chip = target_chip()
-  entry = tiling.block_table("conv").get(chip.name if chip is not None else "v5e", {})
-  for rule in entry.get("winograd", []):
-    if (jnp.dtype(dtype).name == rule.get("dtype") and c.n % rule.get("batch_multiple", 1) == 0
-        and c.cin >= rule.get("min_cin", 1 << 30) and c.wo >= rule.get("min_width", 1 << 30)):
+  for rule in _rules("winograd"):
+    if _rule_applies(rule, c, dtype):
       return "winograd", rule["tile_size"]
   return "direct", None
 
 
 def default_algorithm(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1),
                       feature_group_count=1) -> tuple[str, int | None]:
-  """What :func:`conv2d` with ``algorithm=None`` runs for these arguments on the target chip
-  (:func:`kernels.backend.target_chip`, v5e off TPU): ``("winograd", tile_size)`` or
-  ``("direct", None)``. ``x`` and ``w`` may be arrays or ``jax.ShapeDtypeStruct``."""
+  """What :func:`conv2d` with ``algorithm=None`` and ``implementation=None`` runs for these
+  arguments on the target chip (:func:`kernels.backend.target_chip`, v5e off TPU):
+  ``("winograd", tile_size)``, ``("direct", None)``, or ``("xla", None)`` where the shipped
+  tuning data has XLA's convolution ahead of our kernels (with ``implementation="pallas"``
+  such a call runs :func:`_preferred_algorithm`'s kernel instead). ``x`` and ``w`` may be
+  arrays or ``jax.ShapeDtypeStruct``."""
   c = _validate(x, w, strides, padding, rhs_dilation, feature_group_count, None)
-  return _preferred_algorithm(c, x.dtype)
+  return ("xla", None) if _prefer_xla(c, x.dtype) else _preferred_algorithm(c, x.dtype)
 
 
 def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature_group_count=1, bias=None,
@@ -925,8 +964,9 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     bias: ``[cout]`` or None, added in f32 before the activation.
     activation: None, ``"relu"``, ``"silu"``, ``"gelu"`` (exact) or ``"gelu_tanh"``.
     algorithm: ``"direct"``, ``"winograd"`` (3x3, stride 1, undilated, ungrouped; else
-      KernelError) or None (Winograd where the shipped tuning data says it wins, else direct;
-      :func:`default_algorithm` says which).
+      KernelError) or None: Winograd where the shipped tuning data says it wins, else direct;
+      and with ``implementation=None``, XLA's convolution where that data has XLA ahead of
+      both (:func:`default_algorithm` says which).
     tile_size: Winograd's output tile, 2 (F(2x2,3x3)) or 4 (F(4x4,3x3), the default).
     precision: passed to the kernels' dots and to XLA's conv.
     out_dtype: the result dtype (default ``x``'s).
@@ -957,6 +997,7 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
           "a WinogradFilter runs on the Pallas Winograd kernel only")
     algorithm, tile_size = "winograd", w.tile_size
   c = _validate(x, w, strides, padding, rhs_dilation, feature_group_count, bias)
+  prefer_xla = None
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   blocks = _check_blocks(block_sizes)
   if algorithm == "winograd":
@@ -970,6 +1011,8 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     algorithm, tile = _preferred_algorithm(c, x.dtype) if tile_size is None else ("winograd", tile_size)
     if algorithm == "winograd" and not winograd_eligible(c):
       algorithm, tile = "direct", None
+    if tile_size is None and not pre:
+      prefer_xla = _prefer_xla(c, x.dtype)
   pallas = functools.partial(_pallas_entry, c=c, algorithm=algorithm, tile=tile, blocks=blocks,
                              activation=activation, out_dtype=out_dtype, precision=precision)
 
@@ -981,4 +1024,4 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     return dispatch("conv2d", x, w, bias, pallas=pallas, xla=xla, implementation=implementation or "pallas",
                     interpret=interpret)
   return dispatch("conv2d", x, w, bias, pallas=pallas, xla=xla, implementation=implementation,
-                  interpret=interpret)
+                  interpret=interpret, prefer_xla=prefer_xla)

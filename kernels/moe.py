@@ -87,7 +87,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 

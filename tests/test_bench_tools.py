@@ -189,3 +189,21 @@ def test_conv_row_block_line_extends_over_rows_and_blocks_of_images(monkeypatch)
   assert "2 blocks of images" in whole["method"]
   assert tune_conv.estimate_by_rows(dict(cfg, shape=[16, 28, 512]), 4)["us"] == fixed + per * 7
   assert "error" in tune_conv.estimate_by_rows(cfg, 4, images=12)
+
+
+def test_conv_rules_derive_the_shipped_default_choices(monkeypatch, tmp_path):
+  # conv2d(algorithm=None) reads conv_blocks.json's winograd and xla rules: `tune_conv.py rules`
+  # must derive exactly those from the stored estimates in conv_bench.json.
+  import json
+  import shutil
+  tune_conv = _load_tool("tune_conv")
+  shipped = json.loads(open(tune_conv.BLOCKS_OUT).read())
+  out = tmp_path / "conv_blocks.json"
+  shutil.copy(tune_conv.BLOCKS_OUT, out)
+  monkeypatch.setattr(tune_conv, "BLOCKS_OUT", str(out))
+  tune_conv.main(["rules"])
+  derived = json.loads(out.read_text())
+  for gen in tune_conv.GENERATIONS:
+    for kind in ("winograd", "xla"):
+      assert derived["defaults"][gen][kind] == shipped["defaults"][gen][kind], (gen, kind)
+  assert derived["defaults"]["v6e"]["xla"] and derived["defaults"]["v5e"]["winograd"]

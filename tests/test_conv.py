@@ -275,11 +275,15 @@ def test_groups_and_dilation_fall_back_to_xla():
 
 
 def test_default_algorithm_follows_the_shipped_rules():
-  # conv_blocks.json ships one Winograd rule (v5e: bf16, batches of 16, >= 512 channels, >= 28 wide,
-  # from tools/tune_conv.py rules); everything else runs the direct kernel.
+  # conv_blocks.json ships one Winograd rule (v5e: bf16, batches of 16, >= 512 channels, >= 28 wide)
+  # and one XLA rule (v6e: bf16, batches of 8, >= 512 channels, >= 28 wide), both from
+  # tools/tune_conv.py rules; everything else runs the direct kernel.
   from kernels.backend import target
   sds = jax.ShapeDtypeStruct
   rule = kernels.tiling.block_table("conv")["v5e"]["winograd"][0]
+  to_xla = kernels.tiling.block_table("conv")["v6e"]["xla"][0]
+  assert (to_xla["batch_multiple"], to_xla["min_cin"], to_xla["min_width"]) == (8, 512, 28)
+  assert to_xla["evidence"]["us"]["xla"] < min(v for k, v in to_xla["evidence"]["us"].items() if k != "xla")
   w = sds((3, 3, 512, 512), jnp.bfloat16)
 
   def pick(gen, shape, dtype=jnp.bfloat16, w=w, **kw):
@@ -293,8 +297,29 @@ def test_default_algorithm_follows_the_shipped_rules():
   assert pick("v5e", (32, 28, 28, 256), w=sds((3, 3, 256, 256), jnp.bfloat16)) == ("direct", None)
   assert pick("v5e", (32, 28, 28, 512), strides=2) == ("direct", None)  # Winograd serves stride 1 only
   assert pick("v5e", (32, 28, 28, 512), w=sds((5, 5, 512, 512), jnp.bfloat16)) == ("direct", None)
-  for gen in ("v6e", "v5p", "v4"):  # no rule: no complete estimate of Winograd beating direct there
+  for gen in ("v5p", "v4"):  # no rule: no complete estimates there
     assert pick(gen, (32, 28, 28, 512)) == ("direct", None)
+  assert pick("v6e", (32, 28, 28, 512)) == pick("v6e", (8, 56, 56, 1024), w=sds((3, 3, 1024, 1024), jnp.bfloat16)) \
+      == ("xla", None)
+  assert pick("v6e", (4, 28, 28, 512)) == ("direct", None)  # not a multiple of 8 images
+  assert pick("v6e", (8, 14, 14, 1024), w=sds((3, 3, 1024, 1024), jnp.bfloat16)) == ("direct", None)  # narrower
+  assert pick("v6e", (8, 28, 28, 512), strides=2) == ("direct", None)  # the rule covers 3x3 stride 1 only
+  assert pick("v6e", (8, 28, 28, 512), jnp.float32, w=sds((3, 3, 512, 512), jnp.float32)) == ("direct", None)
+
+
+def test_default_hands_the_call_to_xla_only_where_the_rules_say_and_only_when_asked_for_nothing():
+  # Under the v6e rule, algorithm=None with implementation=None runs XLA's convolution, even in
+  # interpret mode; implementation="pallas" still runs our kernel (the direct one here).
+  from kernels.backend import target
+  x = jax.random.normal(jax.random.key(0), (8, 2, 28, 512), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (3, 3, 512, 512)) / 48).astype(jnp.bfloat16)
+  with target(kernels.get_chip("v6e")):
+    auto = jax.make_jaxpr(lambda x, w: conv2d(x, w, interpret=True))(x, w)
+    mine = jax.make_jaxpr(lambda x, w: conv2d(x, w, implementation="pallas", interpret=True))(x, w)
+  assert "pallas_call" not in str(auto) and "conv_general_dilated" in str(auto)
+  assert "pallas_call" in str(mine)
+  with target(kernels.get_chip("v5e")):  # no XLA rule on v5e: the kernel, in interpret mode
+    assert "pallas_call" in str(jax.make_jaxpr(lambda x, w: conv2d(x, w, interpret=True))(x, w))
 
 
 X, W = jnp.zeros((1, 8, 8, 4)), jnp.zeros((3, 3, 4, 6))
@@ -397,6 +422,9 @@ def test_aot_compiles_benchmark_shapes(generation):
     assert "conv2d_winograd_f4" in comp.hlo and comp.vmem_bytes < kernels.get_chip(generation).vmem_bytes
     with kernels.backend.target(kernels.get_chip(generation)):
       algorithm, tile = kernels.conv2d_default_algorithm(xb, w)
+    if algorithm == "xla":  # the shipped rules hand this call to XLA: no kernel of ours in the program
+      comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w), xb, w, generation=generation, profile=False)
+      assert "conv2d_" not in comp.hlo and "convolution" in comp.hlo
     if algorithm == "winograd":  # the default where the shipped rules pick Winograd (else: direct, above)
       comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w, implementation="pallas", interpret=False),
                                      xb, w, generation=generation, profile=False)

@@ -22,8 +22,9 @@ bound and is never counted as a win or a loss.
   blocks (channels per block x GEMM rows per step) at one shape per generation.
 * ``tune_batched`` -> the same file's ``batched_target_rows``: GEMM rows per step of the batched
   direct kernel, at one shape per generation, batch 16.
-* ``rules`` -> the same file's ``winograd``: where ``conv2d(algorithm=None)`` runs a Winograd
-  kernel, from the stored ``bench`` records (no estimates of its own).
+* ``rules`` -> the same file's ``winograd`` and ``xla``: where ``conv2d(algorithm=None)`` runs a
+  Winograd kernel, and where it hands the call to XLA's convolution, from the stored ``bench``
+  records (no estimates of its own).
 
 The cost model's profile of our kernels at N=32 grew past 9 GB of memory on the 24 GB build
 host (the direct kernel at 28x28x512), so ``--batch`` runs every program of a comparison at a
@@ -39,6 +40,7 @@ import argparse
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import sys
@@ -355,12 +357,17 @@ SAME_SPEED = 1.01
 
 
 def rules(args):
-  """``conv_blocks.json`` ``winograd`` (what ``conv2d(algorithm=None)`` reads), from the stored
-  bench records: for each generation and shape where, at the same batch (the largest stored), a
-  complete forward estimate of our batched Winograd kernel beats the complete estimate of our
-  direct kernel, a rule for that dtype, batch multiple (16 images, the batched kernel's block),
-  and that channel count and width or more. The tile: F(2x2,3x3) if within ``SAME_SPEED`` of
-  F(4x4,3x3), else the faster."""
+  """``conv_blocks.json`` ``winograd`` and ``xla`` (what ``conv2d(algorithm=None)`` reads), from
+  the stored bench records (complete forward estimates only; no estimates of its own).
+
+  * ``winograd``: for each generation and shape where, at the same batch (the largest stored),
+    our batched Winograd kernel beats our direct kernel, a rule for that dtype, batch multiple
+    (16 images, the batched kernel's block), and that channel count and width or more. The tile:
+    F(2x2,3x3) if within ``SAME_SPEED`` of F(4x4,3x3), else the faster.
+  * ``xla``: for each generation and shape where, at the largest batch with XLA's estimate and
+    at least one of ours, XLA's convolution beats every kernel of ours estimated there, a rule
+    for that dtype, a multiple of that batch's kernel block (``gcd(batch, 16)``), and that
+    channel count and width or more."""
   bench_table = result_tables.load(BENCH_OUT) or {"results": {}}
   done = {k: r for k, r in bench_table["results"].items() if r.get("us") is not None and r.get("complete")
           and r.get("mode") == "fwd"}
@@ -371,15 +378,21 @@ def rules(args):
       "at least min_width wide; evidence: the stored forward estimates (compiler estimates, floored) at the largest "
       "batch where our direct and Winograd kernels were both estimated completely. Generations without a rule run "
       "the direct kernel.")
+  table["xla_description"] = (
+      "defaults[gen].xla: where conv2d(algorithm=None, implementation=None) runs XLA's convolution instead of a "
+      "kernel of ours (tools/tune_conv.py rules), with the same conditions as a winograd rule; evidence: the stored "
+      "forward estimates (compiler estimates, floored) at the largest batch where XLA's and at least one of our "
+      "kernels' were complete, XLA's the fastest. It takes precedence over a winograd rule.")
+  ours = ("direct", "winograd_f2", "winograd_f4")
   for gen in args.generations:
-    found = []
+    found, to_xla = [], []
     for name in args.shapes:
       _, h, c = SHAPES[name]
+      at = lambda n, i: done.get(f"{gen}/{n}x{h}x{h}x{c}/{i}/fwd", {}).get("us")  # noqa: E731
       batches = sorted({r["shape"][0] for r in done.values() if r["generation"] == gen
                         and r["shape"][1:] == [h, c] and r["impl"] == "direct" and r["shape"][0] % 16 == 0})
       for n in reversed(batches):
-        us = {i: done.get(f"{gen}/{n}x{h}x{h}x{c}/{i}/fwd", {}).get("us") for i in ("direct", "winograd_f2",
-                                                                                    "winograd_f4")}
+        us = {i: at(n, i) for i in ours}
         if us["winograd_f2"] is None and us["winograd_f4"] is None:
           continue
         fast = min(u for u in (us["winograd_f2"], us["winograd_f4"]) if u is not None)
@@ -389,8 +402,19 @@ def rules(args):
                         "evidence": {"shape": [n, h, h, c], "us": us, "kind": "compiler estimate (floored)",
                                      "records": "kernels/data/conv_bench.json"}})
         break
-    table["defaults"].setdefault(gen, {})["winograd"] = sorted(found, key=lambda r: (r["min_cin"], r["min_width"]))
-    print(gen, table["defaults"][gen]["winograd"], flush=True)
+      with_xla = sorted({r["shape"][0] for r in done.values() if r["generation"] == gen and r["impl"] == "xla"
+                         and r["shape"][1:] == [h, c] and any(at(r["shape"][0], i) is not None for i in ours)})
+      if with_xla:
+        n = with_xla[-1]
+        us = {i: at(n, i) for i in ("xla", *ours) if at(n, i) is not None}
+        if us["xla"] < min(v for i, v in us.items() if i != "xla"):
+          to_xla.append({"dtype": "bfloat16", "batch_multiple": math.gcd(n, 16), "min_cin": c, "min_width": h,
+                         "evidence": {"shape": [n, h, h, c], "us": us, "kind": "compiler estimate (floored)",
+                                      "records": "kernels/data/conv_bench.json"}})
+    entry = table["defaults"].setdefault(gen, {})
+    entry["winograd"] = sorted(found, key=lambda r: (r["min_cin"], r["min_width"]))
+    entry["xla"] = sorted(to_xla, key=lambda r: (r["min_cin"], r["min_width"]))
+    print(gen, "winograd:", entry["winograd"], "xla:", entry["xla"], flush=True)
   result_tables.save(table, BLOCKS_OUT)
 
 
