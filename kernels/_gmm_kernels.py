@@ -268,7 +268,7 @@ def _sub_rows(tm: int) -> int:
   return SUB_ROWS if tm > SUB_ROWS and tm % SUB_ROWS == 0 else tm
 
 
-def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scale: bool):
+def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scale: bool, glu=None):
   """One (n-tile, visit, K block) step.
 
   A visit whose group covers its m-tile multiplies the whole tile. A visit of a tile that
@@ -276,15 +276,22 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   (each its own MXU dot into its rows of the accumulator), so a tile shared by several
   small groups costs about one tile of MXU work, not one per group; its write is masked
   to the group's rows.
+
+  ``glu`` (an elementwise activation): the gate-and-up form. Two rhs blocks, the gate
+  columns and the matching up columns, each with its own accumulator and output (``h``'s
+  two halves, kept for the backward), and a third output ``glu(gate) * up`` computed from
+  the two as stored (rounded to their dtype), in f32.
   """
   n_pref = 0 if tables.static else 1
+  n_rhs = 2 if glu is not None else 1
   pref = refs[:n_pref]
-  lhs_ref, rhs_ref = refs[n_pref], refs[n_pref + 1]
-  rest = refs[n_pref + 2:]
+  lhs_ref, rhs_refs = refs[n_pref], refs[n_pref + 1:n_pref + 1 + n_rhs]
+  rest = refs[n_pref + 1 + n_rhs:]
   scale_ref = rest[0] if has_scale else None
   rest = rest[1:] if has_scale else rest
-  o_ref = rest[0]
-  acc_ref = rest[1] if len(rest) > 1 else None
+  n_out = 3 if glu is not None else 1
+  o_refs, acc_refs = rest[:n_rhs], rest[n_out:]
+  a_ref = rest[2] if glu is not None else None
   v, kk = pl.program_id(1), pl.program_id(2)
   nk = plan.k_tiles
   g = tables.get(pref, "group", v)
@@ -297,7 +304,7 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   k_valid = plan.k - (nk - 1) * plan.tk
   sub = _sub_rows(plan.tm)
 
-  def product(x, last: bool):
+  def product(x, last: bool, rhs_ref):
     y = rhs_ref[...]
     if last and k_valid < plan.tk:
       x = _zero_tail(x, 1, k_valid)
@@ -309,10 +316,24 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   def scaled(val):
     return val * scale_ref[...] if has_scale else val
 
-  def masked_store(val):
-    rows = row0 + lax.broadcasted_iota(jnp.int32, (plan.tm, 1), 0)
+  def store(ref, val, r=0):  # rows r : r + len(val) of the block
+    ref[pl.ds(r, val.shape[0]), :] = val
+
+  def masked_store(ref, val, r=0):  # the same, only the rows of this visit's group
+    n = val.shape[0]
+    rows = row0 + r + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
     mask = jnp.logical_and(rows >= start, rows < end)
-    o_ref[...] = jnp.where(mask, val, o_ref[...])
+    ref[pl.ds(r, n), :] = jnp.where(mask, val, ref[pl.ds(r, n), :])
+
+  def write(vals, put):
+    """The f32 results out; with glu, their product from the halves as stored, by row chunks
+    (``sub`` rows: small f32 temporaries beside the step's blocks)."""
+    for val, o in zip(vals, o_refs):
+      put(o, scaled(val).astype(o.dtype))
+    if glu is not None:
+      for r in range(0, plan.tm, sub):
+        gate, up = (o[pl.ds(r, sub), :].astype(jnp.float32) for o in o_refs)
+        put(a_ref, (glu(gate) * up).astype(a_ref.dtype), r)
 
   # One dot site per path (the whole tile, each sub-tile): the unrolled MXU code is what
   # libtpu's backend spends its compile time on, and a site per K-step kind (first / middle /
@@ -330,21 +351,26 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   def add(rows, when, last: bool):
     def body():
       if rows is None:  # the whole tile
-        p = product(lhs_ref[...], last)
+        ps = [product(lhs_ref[...], last, r) for r in rhs_refs]
         if one:
-          o_ref[...] = scaled(p).astype(o_ref.dtype)
+          write(ps, store)
         else:
-          acc_ref[...] += p
-      elif one:
-        acc_ref[rows, :] = product(lhs_ref[rows, :], last)
+          for acc, p in zip(acc_refs, ps):
+            acc[...] += p
       else:
-        acc_ref[rows, :] += product(lhs_ref[rows, :], last)
+        for acc, r in zip(acc_refs, rhs_refs):
+          p = product(lhs_ref[rows, :], last, r)
+          if one:
+            acc[rows, :] = p
+          else:
+            acc[rows, :] += p
     body() if when is None else pl.when(when)(body)
 
   if not one:
     @pl.when(jnp.logical_and(compute, kk == 0))
     def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
+      for acc in acc_refs:
+        acc[...] = jnp.zeros_like(acc)
 
   @pl.when(jnp.logical_and(compute, full))
   def _():
@@ -353,7 +379,7 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
     if not one:
       @pl.when(kk == nk - 1)
       def _():
-        o_ref[...] = scaled(acc_ref[...]).astype(o_ref.dtype)
+        write([acc[...] for acc in acc_refs], store)
 
   @pl.when(jnp.logical_and(compute, jnp.logical_not(full)))
   def _():
@@ -365,20 +391,29 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
 
     @pl.when(kk == nk - 1)
     def _():
-      masked_store(scaled(acc_ref[...]).astype(o_ref.dtype))
+      write([acc[...] for acc in acc_refs], masked_store)
 
   @pl.when(jnp.logical_and(jnp.logical_not(compute), kk == nk - 1))
   def _():  # rows of the tail (past the groups' sum)
-    masked_store(jnp.zeros((plan.tm, plan.tn), o_ref.dtype))
+    for o in o_refs + ((a_ref,) if glu is not None else ()):
+      masked_store(o, jnp.zeros((plan.tm, plan.tn), o.dtype))
 
 
 def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: bool, out_dtype, static: bool,
-             interpret, vmem_limit):
+             interpret, vmem_limit, glu=None):
   """One pallas_call of the gmm kernel: ``lhs`` [m, k], ``rhs`` [E, k, n] (or [E, n, k]),
-  ``rhs_scale`` None or f32 [E, 1, n]; ``tables_dict`` from :func:`gmm_tables`."""
+  ``rhs_scale`` None or f32 [E, 1, n]; ``tables_dict`` from :func:`gmm_tables`.
+
+  ``glu`` (an elementwise activation): ``rhs`` is the concatenated ``[E, k, 2f]`` gate and up
+  weights and the plan is for ``n = f``, with ``f`` a multiple of ``tn``. Returns the three
+  ``[m, f]`` arrays gate, up and ``glu(gate) * up``: the gate blocks are rhs column block
+  ``j``, the up blocks ``j + f / tn`` (the same array passed twice)."""
   tables, flat = Tables.build(tables_dict, GMM_TABLES, static)
   tm, tk, tn, nk = plan.tm, plan.tk, plan.tn, plan.k_tiles
   pref_n = 0 if static else 1
+  if glu is not None:
+    assert not transpose_rhs and rhs_scale is None and plan.n % tn == 0 and rhs.shape[2] == 2 * plan.n
+  nf = plan.n_tiles
 
   def ids(args):
     j, v, kk = args[:3]
@@ -392,11 +427,11 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
     j, v, kk, pref = ids(args)
     return tables.get(pref, "data_tile", v), k_of(kk, tables.get(pref, "group", v))
 
-  def rhs_map(*args):
+  def rhs_map(*args, shift=0):
     j, v, kk, pref = ids(args)
     kb = k_of(kk, tables.get(pref, "group", v))
     g = tables.get(pref, "data_group", v)
-    return (g, j, kb) if transpose_rhs else (g, kb, j)
+    return (g, j + shift, kb) if transpose_rhs else (g, kb, j + shift)
 
   def scale_map(*args):
     j, v, kk, pref = ids(args)
@@ -407,28 +442,36 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
     return tables.get(pref, "tile", v), j
 
   sq = pl.squeezed
-  in_specs = [pl.BlockSpec((tm, tk), lhs_map),
-              pl.BlockSpec((sq, tn, tk) if transpose_rhs else (sq, tk, tn), rhs_map)]
+  rhs_block = (sq, tn, tk) if transpose_rhs else (sq, tk, tn)
+  in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
   args = [lhs, rhs]
+  if glu is not None:  # the up columns: the same array, f / tn blocks further
+    in_specs.append(pl.BlockSpec(rhs_block, functools.partial(rhs_map, shift=nf)))
+    args.append(rhs)
   if rhs_scale is not None:
     in_specs.append(pl.BlockSpec((sq, 1, tn), scale_map))
     args.append(rhs_scale)
+  outs = 3 if glu is not None else 1
+  halves = 2 if glu is not None else 1
   grid = (plan.n_tiles, tables_dict["visits"], nk)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs, out_specs=pl.BlockSpec((tm, tn), out_map),
-      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
-  flops = 2 * plan.m * plan.k * plan.n
+      num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs,
+      out_specs=[pl.BlockSpec((tm, tn), out_map)] * outs,
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * halves)
+  flops = 2 * plan.m * plan.k * plan.n * halves
   nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize
-            + plan.m * plan.n * jnp.dtype(out_dtype).itemsize)
+            + outs * plan.m * plan.n * jnp.dtype(out_dtype).itemsize)
   call = pl.pallas_call(
       functools.partial(_gmm_kernel, tables=tables, plan=plan, transpose_rhs=transpose_rhs,
-                        has_scale=rhs_scale is not None),
-      grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((plan.m, plan.n), out_dtype),
+                        has_scale=rhs_scale is not None, glu=glu),
+      grid_spec=grid_spec, out_shape=[jax.ShapeDtypeStruct((plan.m, plan.n), out_dtype)] * outs,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                            vmem_limit_bytes=vmem_limit),
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=int(nbytes)),
-      interpret=interpret, name="gmm")
-  return call(*([flat] if flat is not None else []), *args)
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=plan.m * plan.n if glu is not None else 0,
+                                    bytes_accessed=int(nbytes)),
+      interpret=interpret, name="gmm_glu" if glu is not None else "gmm")
+  result = call(*([flat] if flat is not None else []), *args)
+  return tuple(result) if glu is not None else result[0]
 
 
 # ---------------------------------------------------------------------------------

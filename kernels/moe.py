@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 
 import jax
@@ -90,11 +91,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels import _gmm_kernels as K
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, check
+from kernels.errors import KernelError, VmemOverflowError, check
 from kernels.gmm import gmm
 from kernels.hardware import get_chip
+
+# the module, not the function kernels.gmm that the package's namespace exports under its name
+gmm_mod = importlib.import_module("kernels.gmm")
 
 __all__ = ["Routing", "expert_capacity", "moe", "moe_reference", "route"]
 
@@ -363,21 +368,24 @@ def _glu_plan(rows: int, f: int, itemsize: int) -> tuple[int, int, int | None]:
   return tm, tn, tiling.vmem_limit(tm * tn * per_element, chip, argument="h", value=f"[{rows}, {2 * f}]")
 
 
-def _glu_backward_pallas(h, d, *, activation, interpret):
+def _glu_backward_pallas(h, d, *, activation, interpret, up=None):
+  """``d [gate | up]`` as one ``[rows, 2f]`` array, from ``h`` ``[rows, 2f]`` (gate then up), or
+  from the gate ``h`` ``[rows, f]`` and ``up`` ``[rows, f]`` (the fused gate-and-up kernel's)."""
   rows, f = d.shape
   tm, tn, limit = _glu_plan(rows, f, jnp.dtype(h.dtype).itemsize)
   nf = f // tn
+  shift = nf if up is None else 0
   return pl.pallas_call(
       functools.partial(_glu_backward_kernel, activation=activation),
       grid=(tiling.cdiv(rows, tm), nf, 2),
-      in_specs=[pl.BlockSpec((tm, tn), lambda i, j, s: (i, j)),        # gate: h[:, :f]
-                pl.BlockSpec((tm, tn), lambda i, j, s: (i, j + nf)),   # up: h[:, f:]
-                pl.BlockSpec((tm, tn), lambda i, j, s: (i, j))],       # d act
+      in_specs=[pl.BlockSpec((tm, tn), lambda i, j, s: (i, j)),            # gate
+                pl.BlockSpec((tm, tn), lambda i, j, s: (i, j + shift)),    # up
+                pl.BlockSpec((tm, tn), lambda i, j, s: (i, j))],           # d act
       out_specs=pl.BlockSpec((tm, tn), lambda i, j, s: (i, j + s * nf)),
-      out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
+      out_shape=jax.ShapeDtypeStruct((rows, 2 * f), h.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=limit),
-      interpret=interpret, name="glu_backward")(h, h, d)
+      interpret=interpret, name="glu_backward")(h, h if up is None else up, d)
 
 
 def _glu(h, activation: str = "silu", *, implementation=None, interpret=None):
@@ -407,6 +415,112 @@ def _glu(h, activation: str = "silu", *, implementation=None, interpret=None):
 
   run.defvjp(run_fwd, run_bwd)
   return run(h)
+
+
+def _gate_up_vmem(tm: int, tk: int, tb: int, k: int, dtype) -> int:
+  """The fused kernel's VMEM: the double-buffered lhs block, two weight blocks and three output
+  blocks; two f32 accumulators, Mosaic's copy of the lhs tile, each dot's f32 result (the
+  whole tile and the sub-tiles, per half, twice with a K tail) and the product's row-chunk
+  temporaries (see ``kernels._gmm_kernels._gmm_kernel``)."""
+  sites = 2 if k % tk and k > tk else 1
+  blocks = [((tm, tk), dtype)] + [((tk, tb), dtype)] * 2 + [((tm, tb), dtype)] * 3
+  scratch = ([((tm, tb), jnp.float32)] * 2 + [((tm, tk), dtype)] + [((tm, tb), jnp.float32)] * (4 * sites)
+             + [((K._sub_rows(tm), tb), jnp.float32)] * 3)
+  return tiling.vmem_footprint(blocks, scratch=scratch)
+
+
+def _gate_up_plan(m: int, k: int, f: int, experts: int, blocks, dtype):
+  """The fused gate-and-up kernel's ``(plan, vmem_limit)``, or None (then gmm and the
+  activation product run apart). From gmm's plan for ``n = 2f`` (its ``tm`` and ``tk``):
+  each step holds ``tb`` gate columns and the matching up columns, ``tb`` a multiple of
+  128 that divides ``f``, the nearest to half of gmm's ``tn`` that fits VMEM (the same MXU
+  work and weight bytes per step). None where no such ``tb`` makes at most as many
+  passes over the rows as gmm's ``tn`` does, or where ``f`` is not a multiple of 128 (the
+  backward's kernel, :func:`_glu_backward_pallas`, needs it)."""
+  chip = target_chip() or get_chip("v5e")
+  if f % 128:
+    return None
+  plan, _ = gmm_mod._plan("gmm", m, k, 2 * f, experts, blocks, dtype, dtype, dtype)
+  half = plan.tn / 2
+  for tb in sorted((t for t in range(128, f + 1, 128) if f % t == 0), key=lambda t: abs(math.log(t / half))):
+    if f // tb > plan.n_tiles:  # more passes over the rows than gmm's
+      continue
+    try:
+      limit = tiling.vmem_limit(_gate_up_vmem(plan.tm, plan.tk, tb, k, dtype), chip)
+    except VmemOverflowError:
+      continue
+    return dataclasses.replace(plan, tn=tb, n=f), limit
+  return None
+
+
+def _gate_up_pallas(lhs, w, group_sizes, *, p, activation, blocks, static_sizes, interpret):
+  gmm_mod._check_kernel_dtypes(p)
+  m, k = lhs.shape
+  f = w.shape[2] // 2
+  planned = _gate_up_plan(m, k, f, p.experts, blocks, lhs.dtype)
+  if planned is None:  # gmm's kernel, then the activation product (its backward kernel where f allows)
+    h = gmm_mod._gmm_pallas(lhs, w, group_sizes, None, p=p, blocks=blocks, static_sizes=static_sizes,
+                            interpret=interpret)
+    return _glu(h, activation, implementation="pallas", interpret=interpret)
+  plan, limit = planned
+
+  def run(lhs, w, group_sizes):
+    tables, static = gmm_mod._tables("gmm", group_sizes, static_sizes, m, plan.tm)
+    return K.gmm_call(lhs, w, None, tables, plan=plan, transpose_rhs=False, out_dtype=p.out_dtype, static=static,
+                      interpret=interpret, vmem_limit=limit, glu=ACTIVATIONS[activation])
+
+  @jax.custom_vjp
+  def fused(lhs, w, group_sizes):
+    return run(lhs, w, group_sizes)[2]
+
+  def fused_fwd(lhs, w, group_sizes):
+    gate, up, act = run(lhs, w, group_sizes)
+    return act, (lhs, w, group_sizes, gate, up)
+
+  def fused_bwd(res, d):
+    lhs, w, group_sizes, gate, up = res
+    dh = _glu_backward_pallas(gate, d.astype(gate.dtype), activation=activation, interpret=interpret, up=up)
+    # then gmm's own backward at d h (see kernels.gmm._gmm_pallas)
+    none = gmm_mod.GmmBlockSizes()
+    dlhs = gmm_mod._run_gmm(dh, w, group_sizes, None, transpose_rhs=True, out_dtype=p.lhs_dtype, blocks=none,
+                            static_sizes=static_sizes, interpret=interpret)
+    dw = gmm_mod._run_tgmm(lhs, dh, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
+                           blocks=none, static_sizes=static_sizes, interpret=interpret)
+    return dlhs, dw, None
+
+  fused.defvjp(fused_fwd, fused_bwd)
+  return fused(lhs, w, group_sizes)
+
+
+def _gate_up(lhs, w, group_sizes, activation: str, *, block_sizes=None, implementation=None, interpret=None,
+             static_sizes=None):
+  """``act(lhs @ w[g][:, :f]) * (lhs @ w[g][:, f:])`` for the rows of each group ``g``: the
+  gate-and-up grouped matmul and the activation product, ``[rows, f]``.
+
+  The Pallas path is one kernel (gmm's, in its ``glu`` form): each step multiplies the
+  rows by gate columns and by the matching up columns and writes both halves (the
+  backward needs them) and their product. Unfused, the product was an XLA fusion that
+  read ``h`` back from HBM. The backward is :func:`_glu`'s kernel, then gmm's.
+  ``static_sizes``: the group sizes as compile-time constants (the estimation method of
+  :func:`kernels.gmm.gmm_static_groups`)."""
+  p = gmm_mod._validate_gmm(lhs, w, group_sizes, False, None, None)
+  blocks = gmm_mod._check_blocks(block_sizes)
+  return dispatch(
+      "moe", lhs, w, group_sizes,
+      pallas=lambda lhs, w, gs, interpret: _gate_up_pallas(lhs, w, gs, p=p, activation=activation, blocks=blocks,
+                                                           static_sizes=static_sizes, interpret=interpret),
+      xla=lambda lhs, w, gs: _glu_xla(gmm_mod._gmm_xla(lhs, w, gs, None, p=p), activation),
+      implementation=implementation, interpret=interpret)
+
+
+def _with_glu(plain, *, implementation=None, interpret=None):
+  """A grouped matmul ``plain(lhs, rhs)`` that also takes ``glu=activation`` as the layer asks
+  (:func:`_expert_layer`): the matmul, then :func:`_glu`. How the layer runs on another
+  grouped matmul (``tools/bench_moe.py``'s megablox)."""
+  def run(lhs, rhs, glu=None):
+    h = plain(lhs, rhs)
+    return h if glu is None else _glu(h, glu, implementation=implementation, interpret=interpret)
+  return run
 
 
 # ---------------------------------------------------------------------------------
@@ -443,20 +557,23 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
             expert_bias=expert_bias, capacity_factor=capacity_factor)
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
   kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
-  grouped = lambda lhs, rhs: gmm(lhs, rhs, r.group_sizes, **kw)  # noqa: E731
-  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped, implementation=implementation,
-                       interpret=interpret), _aux(r)
+
+  def grouped(lhs, rhs, glu=None):
+    if glu is None:
+      return gmm(lhs, rhs, r.group_sizes, **kw)
+    return _gate_up(lhs, rhs, r.group_sizes, glu, **kw)
+  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped), _aux(r)
 
 
-def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped, *, implementation=None,
-                  interpret=None):
-  """Permute, the two grouped matmuls (``grouped(lhs, rhs)``) with the activation product
-  between them, and the combine: the layer after routing. ``tools/bench_moe.py`` runs
-  it on other grouped matmuls."""
+def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
+  """Permute, the two grouped matmuls with the activation product between them, and the
+  combine: the layer after routing. ``grouped(lhs, rhs)`` is a grouped matmul, and
+  ``grouped(lhs, rhs, glu=activation)`` the gate-and-up one followed by the activation
+  product (:func:`_gate_up`, or :func:`_with_glu` around another grouped matmul, as
+  ``tools/bench_moe.py`` runs it on megablox's)."""
   top_k = r.expert_ids.shape[1]
   xs = _dispatch(x, r.order, r.position, top_k)                       # [tokens * top_k, d]
-  h = grouped(xs, w_gate_up.astype(x.dtype))                          # [tokens * top_k, 2f]
-  act = _glu(h, activation, implementation=implementation, interpret=interpret)  # [tokens * top_k, f]
+  act = grouped(xs, w_gate_up.astype(x.dtype), glu=activation)        # [tokens * top_k, f]
   ys = grouped(act, w_down.astype(x.dtype))                           # [tokens * top_k, d]
   return _combine(ys, r.weights, r.order, r.position).astype(x.dtype)
 

@@ -308,6 +308,60 @@ def test_gradients_match_dense_reference_with_the_glu_kernel():
     assert np.abs(np.asarray(g, np.float32) - w).max() <= 1e-4 * np.abs(w).max(), name
 
 
+GATE_UP_CASES = [  # (group sizes, k, f, blocks): the fused kernel's paths
+    ([100, 0, 200, 84], 256, 256, (128, 128, 256)),     # groups straddling tiles, an empty group; 2 n tiles
+    ([384, 0, 0, 0], 384, 128, (128, 256, 256)),        # one group over every tile; a K tail (384 = 256 + 128)
+    ([0, 37, 0, 200], 128, 384, (256, 128, 256)),       # rows past the sizes' sum (zeros); 3 n tiles
+    ([50, 50, 50, 50], 256, 256, None),                 # the default blocks (one n tile)
+]
+
+
+@pytest.mark.parametrize("sizes, k, f, blocks", GATE_UP_CASES)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_gate_up_kernel_matches_gmm_then_the_product(sizes, k, f, blocks, activation, dtype):
+  # The gate-and-up gmm with the activation product in its epilogue (one kernel), against the
+  # grouped-matmul reference then the product, forward and gradients (d lhs, d w).
+  from kernels.gmm import gmm_reference
+  from kernels.moe import _gate_up, _glu_xla
+  m, gs = 384, jnp.asarray(sizes, jnp.int32)
+  lhs, w = rand((m, k), 1, 1.0, dtype), rand((4, k, 2 * f), 2, k ** -0.5, dtype)
+  d = rand((m, f), 3, 1.0, dtype)
+  fused = lambda lhs, w: _gate_up(lhs, w, gs, activation, block_sizes=blocks, implementation="pallas",  # noqa: E731
+                                  interpret=True)
+  ref = lambda lhs, w: _glu_xla(gmm_reference(lhs, w, gs), activation)  # noqa: E731
+  assert any(e.params.get("name") == "gmm_glu" for e in _eqns(jax.make_jaxpr(fused)(lhs, w).jaxpr)
+             if e.primitive.name == "pallas_call")
+  y, vjp = jax.vjp(fused, lhs, w)
+  want_y, want_vjp = jax.vjp(ref, lhs, w)
+  assert y.dtype == dtype and y.shape == (m, f)
+  assert not np.asarray(y, np.float32)[sum(sizes):].any()  # rows past the groups: zero
+  # f32: the same sums in another order; bf16: h is rounded to bf16 before the product in both
+  tol = 1e-5 if dtype == jnp.float32 else 2 ** -6
+  for got, want in [(y, want_y), *zip(vjp(d), want_vjp(d))]:
+    want = np.asarray(want, np.float32)
+    assert np.abs(np.asarray(got, np.float32) - want).max() <= tol * max(np.abs(want).max(), 1e-30)
+
+
+def test_the_layer_fuses_the_product_into_its_gate_up_gmm_only_where_f_fits():
+  from kernels.moe import _gate_up
+
+  def names(f, blocks=None):
+    lhs, w, gs = rand((64, 32)), rand((4, 32, 2 * f)), jnp.asarray([16, 16, 16, 16], jnp.int32)
+    run = lambda lhs, w: _gate_up(lhs, w, gs, "silu", block_sizes=blocks, interpret=True)  # noqa: E731
+    def fwd_bwd(lhs, w):
+      y, vjp = jax.vjp(run, lhs, w)
+      return vjp(y)
+    jaxpr = jax.make_jaxpr(fwd_bwd)(lhs, w)
+    return sorted(e.params["name"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
+  # forward: one kernel; backward: the product's kernel, then gmm's d lhs and tgmm's d w
+  assert names(128) == ["glu_backward", "gmm", "gmm_glu", "tgmm"]
+  assert names(96) == ["gmm", "gmm", "tgmm"]  # f not a multiple of 128: gmm, XLA's product and its backward
+  # blocks of 128 columns for n = 2f = 256: the fused kernel takes all 128 gate and up columns a step,
+  # one pass over the rows against gmm's two
+  assert names(128, (128, 128, 128)) == ["glu_backward", "gmm", "gmm_glu", "tgmm"]
+
+
 def _eqns(jaxpr):
   """Every equation of ``jaxpr``, nested ones (custom VJPs, jit calls) included."""
   for e in jaxpr.eqns:
@@ -386,8 +440,11 @@ BENCH = {"E8_top2": (8192, 4096, 14336, 8, 2), "E64_top8": (8192, 2048, 1408, 64
 if which in BENCH:  # the default blocks at the layer's own matmul shapes (gate and up fused: n = 2f)
   t, d, f, e, top_k = BENCH[which]
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, None), *layer_args(t, d, e, f), generation=gen)
-  # 6 grouped matmuls (2 forward, 2 gmm for d lhs, 2 tgmm for d rhs) and the activation's backward
+  # 6 grouped matmuls (2 forward, gate and up with the activation product in one, 2 gmm for d lhs,
+  # 2 tgmm for d rhs) and the activation's backward
   assert comp.hlo.count("tpu_custom_call") == 7, comp.hlo.count("tpu_custom_call")
+  # gate and up fused with the product wherever its plan fits (everywhere but v4's 16 MiB at E=64)
+  assert ("gmm_glu" in comp.hlo) == (gen != "v4" or which != "E64_top8"), "gmm_glu" in comp.hlo
   assert comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
   print("ok")
   sys.exit(0)

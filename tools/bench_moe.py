@@ -9,7 +9,8 @@ The layer (SwiGLU, bf16, router f32) is built three ways, with the same routing 
 (:func:`kernels.moe.route`, its cost included) and the same permutation, activation and
 combine (:func:`kernels.moe._expert_layer`):
 
-* ``ours``: the two grouped matmuls on :func:`kernels.gmm.gmm`'s kernel, dropless;
+* ``ours``: the two grouped matmuls on :func:`kernels.gmm.gmm`'s kernel, dropless, the first (gate and up)
+  fused with the activation product (:func:`kernels.moe._gate_up`; the others run the product apart);
 * ``megablox``: the same layer on ``jax.experimental.pallas.ops.tpu.megablox.gmm``
   (its custom VJP), at its default tiling ``(128, 128, 128)`` (``megablox``) and at a
   large tiling ``(512, 1024, 1024)`` clipped to each matmul (``megablox_large``);
@@ -149,7 +150,7 @@ def _megablox_gmm(tiling):
       n = rhs.shape[2]
       t = tuple(min(a, b) for a, b in zip(tiling, (m, k, n)))
       return mb.gmm(lhs, rhs, gs, lhs.dtype, t)
-    return run
+    return moe_mod._with_glu(run)  # the activation product after its gmm, as the layer's own would run apart
   return grouped
 
 
@@ -162,7 +163,14 @@ def _ours_gmm(static_sizes, blocks=None):
 
   def grouped(gs):
     del gs  # the cost model sees the case's sizes as constants (see the module docstring)
-    return lambda lhs, rhs: gmm_static_groups(lhs, rhs, static_sizes, block_sizes=bs)
+
+    def run(lhs, rhs, glu=None):
+      if glu is None:
+        return gmm_static_groups(lhs, rhs, static_sizes, block_sizes=bs)
+      return moe_mod._gate_up(lhs, rhs, jnp.asarray(static_sizes, jnp.int32), glu, block_sizes=bs,
+                              implementation="pallas", interpret=False,
+                              static_sizes=tuple(int(v) for v in static_sizes))
+    return run
   return grouped
 
 
