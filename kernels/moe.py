@@ -52,12 +52,15 @@ How the layer works
 -------------------
 
 ``moe`` routes, then *permutes* the tokens (a gather of row ``order // top_k``, so each
-token appears once per choice), then runs the gate and up projections as one ``gmm``
-over the experts' concatenated ``[d, 2f]`` weights, then ``activation(gate) * up``
-(its backward a small Pallas kernel, :func:`_glu`, that writes ``d [gate | up]`` in one
-pass), then the down projection as a second ``gmm``, then *combines*: each token gathers
-its ``top_k`` rows (by ``Routing.position``) and sums them weighted by the routing
-weights, in f32.
+token appears once per choice), then runs the gate and up projections as one grouped
+matmul over the experts' concatenated ``[d, 2f]`` weights with ``activation(gate) * up``
+computed in its epilogue (:func:`_gate_up`: gmm's kernel in its ``glu`` form, each step
+holding gate columns and the matching up columns; it writes the two halves, which the
+backward needs, and their product, so nothing reads them back for the product), then
+the down projection as a second ``gmm``, then *combines*: each token gathers its
+``top_k`` rows (by ``Routing.position``) and sums them weighted by the routing weights,
+in f32. The product's backward is a small Pallas kernel (:func:`_glu`) that writes
+``d [gate | up]`` in one pass, followed by gmm's own backward.
 
 The permutations are gathers both ways: each forward gathers rows, and its custom VJP
 gathers the cotangent by the inverse permutation (the dispatch's summing a token's
