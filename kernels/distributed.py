@@ -89,8 +89,9 @@ Expert-parallel MoE
 experts (device ``p`` holds experts ``p E/n .. (p+1) E/n - 1``). Each device routes its tokens
 (:func:`kernels.route`) and sorts its assignments by expert; then the rows for each device's experts
 are exchanged (``lax.ragged_all_to_all`` on TPU: each pair of devices sends exactly its rows), the
-received rows are sorted by local expert, the two grouped matmuls (:func:`kernels.gmm`) run, and the
-results go back by the reverse exchange. Dropless: every device's receive buffer has room for the
+received rows are sorted by local expert, the two grouped matmuls run (gate and up with the activation
+product in one kernel, as in :func:`kernels.moe`, then down on :func:`kernels.gmm`), and the results go
+back by the reverse exchange. Dropless: every device's receive buffer has room for the
 worst case, ``n x tokens_local x min(top_k, experts_local)`` rows. The auxiliary losses are those of
 the whole batch (the per-expert counts and mean router probabilities are summed over the devices),
 so the layer equals :func:`kernels.moe` on the whole batch, forward and backward.
@@ -125,7 +126,7 @@ from kernels.backend import check_implementation, dispatch
 from kernels.errors import KernelError, check
 from kernels.gmm import gmm
 from kernels.matmul import matmul
-from kernels.moe import ACTIVATIONS, _check_layer_args, _check_route_args, _combine, _dispatch, route
+from kernels.moe import _check_layer_args, _check_route_args, _combine, _dispatch, _gate_up, route
 from kernels.scan import linear_scan
 
 __all__ = ["all_gather_matmul", "expert_parallel_moe", "matmul_reduce_scatter", "ring_all_gather", "ring_attention",
@@ -643,7 +644,8 @@ def expert_parallel_moe(x, router_w, w_gate, w_up, w_down, *, axis_name, top_k: 
       ``w_gate`` the concatenated ``[experts / n, d, 2f]``) and ``[experts / n, f, d]``: device ``p``
       holds experts ``p * experts / n`` onwards.
     top_k, activation, scoring, normalize_weights, expert_bias: as :func:`kernels.moe`.
-    block_sizes, implementation, interpret: passed to both :func:`kernels.gmm` calls.
+    block_sizes, implementation, interpret: passed to both grouped matmuls (gate and up with the
+      activation product, as in :func:`kernels.moe`, then down).
 
   Returns:
     ``(y, aux)``: the local ``[tokens_local, d]`` output and :func:`kernels.moe`'s ``aux`` for the whole
@@ -688,10 +690,9 @@ def expert_parallel_moe(x, router_w, w_gate, w_up, w_down, *, axis_name, top_k: 
   local_sizes = mine.sum(0).astype(jnp.int32)
 
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
-  f = w_gate_up.shape[2] // 2
   kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
-  h = gmm(buf[perm], w_gate_up.astype(x.dtype), local_sizes, **kw)
-  act = (ACTIVATIONS[activation](h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)).astype(x.dtype)
+  # gate and up with the activation product in one kernel, as in kernels.moe
+  act = _gate_up(buf[perm], w_gate_up.astype(x.dtype), local_sizes, activation, **kw)
   ys = gmm(act, w_down.astype(x.dtype), local_sizes, **kw)[inv]          # back to (source, expert) order
   back = _exchange(ys, bwd, fwd, tokens * top_k, rows, axis_name, n)  # my rows, by expert
   y = _combine(back, r.weights, r.order, r.position).astype(x.dtype)
