@@ -425,20 +425,26 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, *, p: _Problem, blocks, static
 
   def f_bwd(res, dout):
     lhs, rhs, group_sizes = res
-    dout = dout.astype(p.lhs_dtype)
-    none = GmmBlockSizes()
-    dlhs = _run_gmm(dout, rhs, group_sizes, None, transpose_rhs=not p.transpose_rhs, out_dtype=p.lhs_dtype,
-                    blocks=none, static_sizes=static_sizes, interpret=interpret)
-    if p.transpose_rhs:  # rhs [E, n, k]: d rhs[g] = dout[rows]^T @ lhs[rows]
-      drhs = _run_tgmm(dout, lhs, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
-                       blocks=none, static_sizes=static_sizes, interpret=interpret)
-    else:  # rhs [E, k, n]: d rhs[g] = lhs[rows]^T @ dout[rows]
-      drhs = _run_tgmm(lhs, dout, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
-                       blocks=none, static_sizes=static_sizes, interpret=interpret)
-    return dlhs, drhs, None
+    return (*_gmm_backward(lhs, rhs, group_sizes, dout, p=p, static_sizes=static_sizes, interpret=interpret), None)
 
   f.defvjp(f_fwd, f_bwd)
   return f(lhs, rhs, group_sizes)
+
+
+def _gmm_backward(lhs, rhs, group_sizes, dout, *, p: _Problem, static_sizes, interpret):
+  """``(d lhs, d rhs)`` of ``gmm(lhs, rhs)`` at ``dout``: a gmm against the transposed ``rhs``
+  and a tgmm, at their default blocks (also the fused gate-and-up kernel's, kernels.moe)."""
+  dout = dout.astype(p.lhs_dtype)
+  none = GmmBlockSizes()
+  dlhs = _run_gmm(dout, rhs, group_sizes, None, transpose_rhs=not p.transpose_rhs, out_dtype=p.lhs_dtype,
+                  blocks=none, static_sizes=static_sizes, interpret=interpret)
+  if p.transpose_rhs:  # rhs [E, n, k]: d rhs[g] = dout[rows]^T @ lhs[rows]
+    drhs = _run_tgmm(dout, lhs, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
+                     blocks=none, static_sizes=static_sizes, interpret=interpret)
+  else:  # rhs [E, k, n]: d rhs[g] = lhs[rows]^T @ dout[rows]
+    drhs = _run_tgmm(lhs, dout, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
+                     blocks=none, static_sizes=static_sizes, interpret=interpret)
+  return dlhs, drhs
 
 
 def _tgmm_pallas(lhs, rhs, group_sizes, *, p: _Problem, blocks, static_sizes, interpret):

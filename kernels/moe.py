@@ -483,12 +483,7 @@ def _gate_up_pallas(lhs, w, group_sizes, *, p, activation, blocks, static_sizes,
   def fused_bwd(res, d):
     lhs, w, group_sizes, gate, up = res
     dh = _glu_backward_pallas(gate, d.astype(gate.dtype), activation=activation, interpret=interpret, up=up)
-    # then gmm's own backward at d h (see kernels.gmm._gmm_pallas)
-    none = gmm_mod.GmmBlockSizes()
-    dlhs = gmm_mod._run_gmm(dh, w, group_sizes, None, transpose_rhs=True, out_dtype=p.lhs_dtype, blocks=none,
-                            static_sizes=static_sizes, interpret=interpret)
-    dw = gmm_mod._run_tgmm(lhs, dh, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
-                           blocks=none, static_sizes=static_sizes, interpret=interpret)
+    dlhs, dw = gmm_mod._gmm_backward(lhs, w, group_sizes, dh, p=p, static_sizes=static_sizes, interpret=interpret)
     return dlhs, dw, None
 
   fused.defvjp(fused_fwd, fused_bwd)
