@@ -268,7 +268,7 @@ def _sub_rows(tm: int) -> int:
   return SUB_ROWS if tm > SUB_ROWS and tm % SUB_ROWS == 0 else tm
 
 
-def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scale: bool, glu=None):
+def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scale: bool, glu=None, glu_bwd=None):
   """One (n-tile, visit, K block) step.
 
   A visit whose group covers its m-tile multiplies the whole tile. A visit of a tile that
@@ -281,6 +281,12 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   columns and the matching up columns, each with its own accumulator and output (``h``'s
   two halves, kept for the backward), and a third output ``glu(gate) * up`` computed from
   the two as stored (rounded to their dtype), in f32.
+
+  ``glu_bwd`` (the same activation): the backward form, behind the down projection. The
+  product is ``d act`` (the incoming gradient times the down weights, transposed); two
+  more inputs are the forward's gate and up blocks, and the one output ``[2, m, n]``
+  holds ``d gate`` and ``d up`` (the activation product's gradient), so ``d act`` never
+  goes to HBM.
   """
   n_pref = 0 if tables.static else 1
   n_rhs = 2 if glu is not None else 1
@@ -289,6 +295,8 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   rest = refs[n_pref + 1 + n_rhs:]
   scale_ref = rest[0] if has_scale else None
   rest = rest[1:] if has_scale else rest
+  gu_refs = rest[:2] if glu_bwd is not None else ()
+  rest = rest[2:] if glu_bwd is not None else rest
   n_out = 3 if glu is not None else 1
   o_refs, acc_refs = rest[:n_rhs], rest[n_out:]
   a_ref = rest[2] if glu is not None else None
@@ -316,18 +324,31 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   def scaled(val):
     return val * scale_ref[...] if has_scale else val
 
-  def store(ref, val, r=0):  # rows r : r + len(val) of the block
-    ref[pl.ds(r, val.shape[0]), :] = val
+  def store(ref, val, r=0, half=()):  # rows r : r + len(val) of the block (of its half, glu_bwd)
+    ref[(*half, pl.ds(r, val.shape[0]), slice(None))] = val
 
-  def masked_store(ref, val, r=0):  # the same, only the rows of this visit's group
+  def masked_store(ref, val, r=0, half=()):  # the same, only the rows of this visit's group
     n = val.shape[0]
     rows = row0 + r + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
     mask = jnp.logical_and(rows >= start, rows < end)
-    ref[pl.ds(r, n), :] = jnp.where(mask, val, ref[pl.ds(r, n), :])
+    at = (*half, pl.ds(r, n), slice(None))
+    ref[at] = jnp.where(mask, val, ref[at])
 
   def write(vals, put):
     """The f32 results out; with glu, their product from the halves as stored, by row chunks
-    (``sub`` rows: small f32 temporaries beside the step's blocks)."""
+    (``sub`` rows: small f32 temporaries beside the step's blocks); with glu_bwd, the
+    product's gradient, by row chunks too."""
+    if glu_bwd is not None:
+      o = o_refs[0]
+      for r in range(0, plan.tm, sub):
+        # d act as the unfused layer stores it (rounded to the output dtype), then the
+        # activation product's backward: d gate = act'(gate) * d act * up, d up = d act * act(gate).
+        d = vals[0][r:r + sub].astype(o.dtype).astype(jnp.float32)
+        gate, up = (ref[pl.ds(r, sub), :].astype(jnp.float32) for ref in gu_refs)
+        a, vjp = jax.vjp(glu_bwd, gate)
+        put(o, vjp(d * up)[0].astype(o.dtype), r, (0,))
+        put(o, (d * a).astype(o.dtype), r, (1,))
+      return
     for val, o in zip(vals, o_refs):
       put(o, scaled(val).astype(o.dtype))
     if glu is not None:
@@ -396,23 +417,37 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   @pl.when(jnp.logical_and(jnp.logical_not(compute), kk == nk - 1))
   def _():  # rows of the tail (past the groups' sum)
     for o in o_refs + ((a_ref,) if glu is not None else ()):
-      masked_store(o, jnp.zeros((plan.tm, plan.tn), o.dtype))
+      for half in ([(0,), (1,)] if glu_bwd is not None else [()]):
+        masked_store(o, jnp.zeros((plan.tm, plan.tn), o.dtype), 0, half)
 
 
 def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: bool, out_dtype, static: bool,
-             interpret, vmem_limit, glu=None):
+             interpret, vmem_limit, glu=None, glu_bwd=None, gate_up=None):
   """One pallas_call of the gmm kernel: ``lhs`` [m, k], ``rhs`` [E, k, n] (or [E, n, k]),
   ``rhs_scale`` None or f32 [E, 1, n]; ``tables_dict`` from :func:`gmm_tables`.
 
   ``glu`` (an elementwise activation): ``rhs`` is the concatenated ``[E, k, 2f]`` gate and up
   weights and the plan is for ``n = f``, with ``f`` a multiple of ``tn``. Returns the three
   ``[m, f]`` arrays gate, up and ``glu(gate) * up``: the gate blocks are rhs column block
-  ``j``, the up blocks ``j + f / tn`` (the same array passed twice)."""
+  ``j``, the up blocks ``j + f / tn`` (the same array passed twice).
+
+  ``glu_bwd`` (the activation) and ``gate_up`` (the forward's gate and up, ``[m, n]`` each):
+  the result is ``[2, m, n]``, the gradients of gate and of up from the product's gradient
+  ``lhs @ rhs``, which stays in VMEM.
+
+  ``lhs`` ``[2, m, k / 2]`` (the two halves of a ``[m, k]`` lhs, as ``glu_bwd`` writes them;
+  ``tk`` divides ``k / 2``): K block ``kb`` is block ``kb mod (k / 2 / tk)`` of half
+  ``kb div (k / 2 / tk)``."""
   tables, flat = Tables.build(tables_dict, GMM_TABLES, static)
   tm, tk, tn, nk = plan.tm, plan.tk, plan.tn, plan.k_tiles
   pref_n = 0 if static else 1
   if glu is not None:
     assert not transpose_rhs and rhs_scale is None and plan.n % tn == 0 and rhs.shape[2] == 2 * plan.n
+  if glu_bwd is not None:
+    assert rhs_scale is None and glu is None and all(a.shape == (plan.m, plan.n) for a in gate_up)
+  halves_k = lhs.ndim == 3
+  if halves_k:
+    assert lhs.shape[0] == 2 and (lhs.shape[2] % tk == 0) and 2 * lhs.shape[2] == plan.k
   nf = plan.n_tiles
 
   def ids(args):
@@ -425,7 +460,16 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
 
   def lhs_map(*args):
     j, v, kk, pref = ids(args)
-    return tables.get(pref, "data_tile", v), k_of(kk, tables.get(pref, "group", v))
+    kb = k_of(kk, tables.get(pref, "group", v))
+    if halves_k:  # a comparison, not div/rem: Mosaic lowers a signed // with sign (TPU-only), and
+      # libtpu's cost model evaluates scalar div/rem as 0
+      half = (kb >= lhs.shape[2] // tk).astype(jnp.int32)
+      return half, tables.get(pref, "data_tile", v), kb - half * (lhs.shape[2] // tk)
+    return tables.get(pref, "data_tile", v), kb
+
+  def data_map(*args):  # a block of the forward's gate or up, beside the output's
+    j, v, kk, pref = ids(args)
+    return tables.get(pref, "data_tile", v), j
 
   def rhs_map(*args, shift=0):
     j, v, kk, pref = ids(args)
@@ -441,9 +485,12 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
     j, v, kk, pref = ids(args)
     return tables.get(pref, "tile", v), j
 
+  def out2_map(*args):
+    return (0, *out_map(*args))
+
   sq = pl.squeezed
   rhs_block = (sq, tn, tk) if transpose_rhs else (sq, tk, tn)
-  in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+  in_specs = [pl.BlockSpec((sq, tm, tk) if halves_k else (tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
   args = [lhs, rhs]
   if glu is not None:  # the up columns: the same array, f / tn blocks further
     in_specs.append(pl.BlockSpec(rhs_block, functools.partial(rhs_map, shift=nf)))
@@ -451,25 +498,36 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
   if rhs_scale is not None:
     in_specs.append(pl.BlockSpec((sq, 1, tn), scale_map))
     args.append(rhs_scale)
+  if glu_bwd is not None:
+    in_specs += [pl.BlockSpec((tm, tn), data_map)] * 2
+    args += list(gate_up)
   outs = 3 if glu is not None else 1
   halves = 2 if glu is not None else 1
   grid = (plan.n_tiles, tables_dict["visits"], nk)
+  if glu_bwd is not None:
+    out_specs = [pl.BlockSpec((2, tm, tn), out2_map)]
+    out_shape = [jax.ShapeDtypeStruct((2, plan.m, plan.n), out_dtype)]
+  else:
+    out_specs = [pl.BlockSpec((tm, tn), out_map)] * outs
+    out_shape = [jax.ShapeDtypeStruct((plan.m, plan.n), out_dtype)] * outs
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs,
-      out_specs=[pl.BlockSpec((tm, tn), out_map)] * outs,
+      num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs, out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * halves)
   flops = 2 * plan.m * plan.k * plan.n * halves
+  item = jnp.dtype(out_dtype).itemsize
   nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize
-            + outs * plan.m * plan.n * jnp.dtype(out_dtype).itemsize)
+            + outs * plan.m * plan.n * item + (4 * plan.m * plan.n * item if glu_bwd is not None else 0))
+  act = glu if glu is not None else glu_bwd
+  name = "gmm_glu" if glu is not None else "gmm_glu_bwd" if glu_bwd is not None else "gmm"
   call = pl.pallas_call(
       functools.partial(_gmm_kernel, tables=tables, plan=plan, transpose_rhs=transpose_rhs,
-                        has_scale=rhs_scale is not None, glu=glu),
-      grid_spec=grid_spec, out_shape=[jax.ShapeDtypeStruct((plan.m, plan.n), out_dtype)] * outs,
+                        has_scale=rhs_scale is not None, glu=glu, glu_bwd=glu_bwd),
+      grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                            vmem_limit_bytes=vmem_limit),
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=plan.m * plan.n if glu is not None else 0,
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=plan.m * plan.n if act is not None else 0,
                                     bytes_accessed=int(nbytes)),
-      interpret=interpret, name="gmm_glu" if glu is not None else "gmm")
+      interpret=interpret, name=name)
   result = call(*([flat] if flat is not None else []), *args)
   return tuple(result) if glu is not None else result[0]
 
@@ -544,10 +602,14 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
 def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_dtype, static: bool, interpret,
               vmem_limit):
   """One pallas_call of the tgmm kernel: ``lhs`` [k, m] (or [m, k] with ``lhs_tokens_major``),
-  ``rhs`` [m, n]; the result [E, k, n]. Grid (k tiles, n tiles, visits)."""
+  ``rhs`` [m, n], or ``[2, m, n / 2]`` (its two halves, ``tn`` dividing ``n / 2``, as the
+  gate-and-up backward writes them); the result [E, k, n]. Grid (k tiles, n tiles, visits)."""
   tables, flat = Tables.build(tables_dict, TGMM_TABLES, static)
   tm, tk, tn = plan.tm, plan.tk, plan.tn
   pref_n = 0 if static else 1
+  halves_n = rhs.ndim == 3
+  if halves_n:
+    assert rhs.shape[0] == 2 and rhs.shape[2] % tn == 0 and 2 * rhs.shape[2] == plan.n
 
   def ids(args):
     return args[0], args[1], args[2], args[3:3 + pref_n]
@@ -559,6 +621,9 @@ def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_
 
   def rhs_map(*args):
     i, j, v, pref = ids(args)
+    if halves_n:  # a comparison, not div/rem (see gmm_call's lhs_map)
+      half = (j >= rhs.shape[2] // tn).astype(jnp.int32)
+      return half, tables.get(pref, "tile", v), j - half * (rhs.shape[2] // tn)
     return tables.get(pref, "tile", v), j
 
   def out_map(*args):
@@ -566,7 +631,8 @@ def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_
     return tables.get(pref, "group", v), i, j
 
   sq = pl.squeezed
-  in_specs = [pl.BlockSpec((tm, tk) if lhs_tokens_major else (tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
+  in_specs = [pl.BlockSpec((tm, tk) if lhs_tokens_major else (tk, tm), lhs_map),
+              pl.BlockSpec((sq, tm, tn) if halves_n else (tm, tn), rhs_map)]
   grid = (plan.k_tiles, plan.n_tiles, tables_dict["visits"])
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs,

@@ -89,8 +89,8 @@ Expert-parallel MoE
 experts (device ``p`` holds experts ``p E/n .. (p+1) E/n - 1``). Each device routes its tokens
 (:func:`kernels.route`) and sorts its assignments by expert; then the rows for each device's experts
 are exchanged (``lax.ragged_all_to_all`` on TPU: each pair of devices sends exactly its rows), the
-received rows are sorted by local expert, the two grouped matmuls run (gate and up with the activation
-product in one kernel, as in :func:`kernels.moe`, then down on :func:`kernels.gmm`), and the results go
+received rows are sorted by local expert, the two grouped matmuls run (as in :func:`kernels.moe`: gate
+and up with the activation product, then down, whose backward also runs the product's), and the results go
 back by the reverse exchange. Dropless: every device's receive buffer has room for the
 worst case, ``n x tokens_local x min(top_k, experts_local)`` rows. The auxiliary losses are those of
 the whole batch (the per-expert counts and mean router probabilities are summed over the devices),
@@ -124,9 +124,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels import attention as _attention
 from kernels.backend import check_implementation, dispatch
 from kernels.errors import KernelError, check
-from kernels.gmm import gmm
 from kernels.matmul import matmul
-from kernels.moe import _check_layer_args, _check_route_args, _combine, _dispatch, _gate_up, route
+from kernels.moe import _check_layer_args, _check_route_args, _combine, _dispatch, _experts, route
 from kernels.scan import linear_scan
 
 __all__ = ["all_gather_matmul", "expert_parallel_moe", "matmul_reduce_scatter", "ring_all_gather", "ring_attention",
@@ -691,9 +690,9 @@ def expert_parallel_moe(x, router_w, w_gate, w_up, w_down, *, axis_name, top_k: 
 
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
   kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
-  # gate and up with the activation product in one kernel, as in kernels.moe
-  act = _gate_up(buf[perm], w_gate_up.astype(x.dtype), local_sizes, activation, **kw)
-  ys = gmm(act, w_down.astype(x.dtype), local_sizes, **kw)[inv]          # back to (source, expert) order
+  # the experts as in kernels.moe: the activation product and its backward inside the grouped matmuls
+  ys = _experts(buf[perm], w_gate_up.astype(x.dtype), w_down.astype(x.dtype), local_sizes, activation,
+                **kw)[inv]                                                # back to (source, expert) order
   back = _exchange(ys, bwd, fwd, tokens * top_k, rows, axis_name, n)  # my rows, by expert
   y = _combine(back, r.weights, r.order, r.position).astype(x.dtype)
   return y, _global_aux(x, router_w, r, scoring, axis_name)

@@ -98,7 +98,6 @@ from kernels import _gmm_kernels as K
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
 from kernels.errors import KernelError, VmemOverflowError, check
-from kernels.gmm import gmm
 from kernels.hardware import get_chip
 
 # the module, not the function kernels.gmm that the package's namespace exports under its name
@@ -511,13 +510,120 @@ def _gate_up(lhs, w, group_sizes, activation: str, *, block_sizes=None, implemen
       implementation=implementation, interpret=interpret)
 
 
-def _with_glu(plain, *, implementation=None, interpret=None):
-  """A grouped matmul ``plain(lhs, rhs)`` that also takes ``glu=activation`` as the layer asks
-  (:func:`_expert_layer`): the matmul, then :func:`_glu`. How the layer runs on another
-  grouped matmul (``tools/bench_moe.py``'s megablox)."""
-  def run(lhs, rhs, glu=None):
-    h = plain(lhs, rhs)
-    return h if glu is None else _glu(h, glu, implementation=implementation, interpret=interpret)
+def _glu_bwd_vmem(tm: int, tk: int, tn: int, k: int, dtype) -> int:
+  """The fused backward kernel's VMEM (``kernels._gmm_kernels._gmm_kernel`` with ``glu_bwd``):
+  gmm's blocks for the product ``d act`` (lhs, transposed rhs), the gate and up blocks, and
+  the two halves of the output; the accumulator, Mosaic's copy of the lhs tile, each dot's
+  f32 result (as gmm's plan counts them) and the epilogue's row-chunk temporaries."""
+  sites = 2 * (1 if tk >= k else 3)
+  blocks = [((tm, tk), dtype), ((tn, tk), dtype)] + [((tm, tn), dtype)] * 4
+  scratch = ([((tm, tn), jnp.float32), ((tm, tk), dtype)] + [((tm, tn), jnp.float32)] * sites
+             + [((K._sub_rows(tm), tn), jnp.float32)] * 6)
+  return tiling.vmem_footprint(blocks, scratch=scratch)
+
+
+def _glu_bwd_plan(m: int, k: int, f: int, experts: int, dtype):
+  """``(plan, vmem_limit)`` of the fused backward kernel for ``d act = dy [m, k] @ w_down[g]^T``
+  (``w_down`` ``[E, f, k]``), or None: gmm's default plan for that product, its ``tn``
+  halved (to multiples of 128) until the extra blocks fit VMEM."""
+  chip = target_chip() or get_chip("v5e")
+  plan, _ = gmm_mod._plan("gmm", m, k, f, experts, gmm_mod.GmmBlockSizes(), dtype, dtype, dtype)
+  tn = plan.tn
+  while True:
+    try:
+      limit = tiling.vmem_limit(_glu_bwd_vmem(plan.tm, plan.tk, tn, k, dtype), chip)
+      return dataclasses.replace(plan, tn=tn), limit
+    except VmemOverflowError:
+      if tn <= 128 or tn % 256:
+        return None
+      tn //= 2
+
+
+def _experts_pallas(xs, wgu, wd, group_sizes, *, activation, blocks, static_sizes, interpret):
+  """The experts' two grouped matmuls, ``gmm(act(xs @ gate) * (xs @ up), w_down)``, as Pallas
+  kernels, with one custom VJP over both, so that the backward of the activation product
+  runs inside the kernel that computes its incoming gradient (``d act = dy @ w_down^T``):
+  that kernel reads the forward's gate and up blocks and writes ``d gate`` and ``d up`` as
+  two halves, ``[2, rows, f]``, which the gate-and-up matmul's backward reads in place.
+  Unfused, ``d act`` went to HBM and a separate kernel read it back with gate and up.
+  Where a plan does not fit, the forward and backward kernels run apart (:func:`_gate_up`
+  then :func:`kernels.gmm.gmm`)."""
+  m, k = xs.shape
+  experts, f = wd.shape[0], wd.shape[1]
+  p_gu = gmm_mod._validate_gmm(xs, wgu, group_sizes, False, None, None)
+  p_d = gmm_mod._validate_gmm(jax.ShapeDtypeStruct((m, f), xs.dtype), wd, group_sizes, False, None, None)
+  gmm_mod._check_kernel_dtypes(p_gu)
+  run_down = functools.partial(gmm_mod._run_gmm, transpose_rhs=False, out_dtype=p_d.out_dtype, blocks=blocks,
+                               static_sizes=static_sizes, interpret=interpret)
+  up_plan = _gate_up_plan(m, k, f, experts, blocks, xs.dtype)
+  back_plan = _glu_bwd_plan(m, k, f, experts, xs.dtype) if up_plan else None
+  halves = gmm_mod._halves_plans(m, k, f, experts, xs.dtype) if back_plan else None
+  if halves is None or (blocks.tm, blocks.tk, blocks.tn) != (None, None, None):
+    # apart (explicit blocks too: the fused backward runs at the default blocks)
+    act = _gate_up_pallas(xs, wgu, group_sizes, p=p_gu, activation=activation, blocks=blocks,
+                          static_sizes=static_sizes, interpret=interpret)
+    return gmm_mod._gmm_pallas(act, wd, group_sizes, None, p=p_d, blocks=blocks, static_sizes=static_sizes,
+                               interpret=interpret)
+  act_fn = ACTIVATIONS[activation]
+
+  def forward(xs, wgu, wd, gs):
+    plan, limit = up_plan
+    tables, static = gmm_mod._tables("gmm", gs, static_sizes, m, plan.tm)
+    gate, up, act = K.gmm_call(xs, wgu, None, tables, plan=plan, transpose_rhs=False, out_dtype=p_gu.out_dtype,
+                               static=static, interpret=interpret, vmem_limit=limit, glu=act_fn)
+    return run_down(act, wd, gs, None), (gate, up, act)
+
+  @jax.custom_vjp
+  def mlp(xs, wgu, wd, gs):
+    return forward(xs, wgu, wd, gs)[0]
+
+  def mlp_fwd(xs, wgu, wd, gs):
+    ys, saved = forward(xs, wgu, wd, gs)
+    return ys, (xs, wgu, wd, gs, *saved)
+
+  def mlp_bwd(res, dy):
+    xs, wgu, wd, gs, gate, up, act = res
+    dy = dy.astype(xs.dtype)
+    plan, limit = back_plan
+    tables, static = gmm_mod._tables("gmm", gs, static_sizes, m, plan.tm)
+    dgu = K.gmm_call(dy, wd, None, tables, plan=plan, transpose_rhs=True, out_dtype=xs.dtype, static=static,
+                     interpret=interpret, vmem_limit=limit, glu_bwd=act_fn, gate_up=(gate, up))
+    dwd = gmm_mod._run_tgmm(act, dy, gs, experts=experts, lhs_tokens_major=True, out_dtype=p_d.rhs_dtype,
+                            blocks=gmm_mod.GmmBlockSizes(), static_sizes=static_sizes, interpret=interpret)
+    dxs, dwgu = gmm_mod._gmm_backward_halves(xs, wgu, gs, dgu, halves, static_sizes=static_sizes,
+                                             interpret=interpret)
+    return dxs, dwgu, dwd, None
+
+  mlp.defvjp(mlp_fwd, mlp_bwd)
+  return mlp(xs, wgu, wd, group_sizes)
+
+
+def _experts(xs, w_gate_up, w_down, group_sizes, activation: str, *, block_sizes=None, implementation=None,
+             interpret=None, static_sizes=None):
+  """``gmm(act(xs @ w_gate_up[:, :, :f]) * (xs @ w_gate_up[:, :, f:]), w_down)`` over the
+  groups: the experts' part of the layer, ``[rows, d]`` (:func:`_experts_pallas`).
+  ``static_sizes``: the group sizes as compile-time constants (the estimation method of
+  :func:`kernels.gmm.gmm_static_groups`)."""
+  p = gmm_mod._validate_gmm(xs, w_gate_up, group_sizes, False, None, None)
+  m, f = xs.shape[0], w_down.shape[1]
+  p_d = gmm_mod._validate_gmm(jax.ShapeDtypeStruct((m, f), xs.dtype), w_down, group_sizes, False, None, None)
+  blocks = gmm_mod._check_blocks(block_sizes)
+  return dispatch(
+      "moe", xs, w_gate_up, w_down, group_sizes,
+      pallas=lambda xs, wgu, wd, gs, interpret: _experts_pallas(
+          xs, wgu, wd, gs, activation=activation, blocks=blocks, static_sizes=static_sizes, interpret=interpret),
+      xla=lambda xs, wgu, wd, gs: gmm_mod._gmm_xla(
+          _glu_xla(gmm_mod._gmm_xla(xs, wgu, gs, None, p=p), activation), wd, gs, None, p=p_d),
+      implementation=implementation, interpret=interpret)
+
+
+def _mlp_of(plain, *, implementation=None, interpret=None):
+  """The experts' part of the layer, ``mlp(xs, w_gate_up, w_down, activation)``, from a grouped
+  matmul ``plain(lhs, rhs)``: the matmul, :func:`_glu`, the matmul. How the layer runs on
+  another grouped matmul (``tools/bench_moe.py``'s megablox)."""
+  def run(xs, w_gate_up, w_down, activation):
+    act = _glu(plain(xs, w_gate_up), activation, implementation=implementation, interpret=interpret)
+    return plain(act, w_down)
   return run
 
 
@@ -556,23 +662,19 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
   kw = dict(block_sizes=block_sizes, implementation=implementation, interpret=interpret)
 
-  def grouped(lhs, rhs, glu=None):
-    if glu is None:
-      return gmm(lhs, rhs, r.group_sizes, **kw)
-    return _gate_up(lhs, rhs, r.group_sizes, glu, **kw)
-  return _expert_layer(x, r, w_gate_up, w_down, activation, grouped), _aux(r)
+  def mlp(xs, wgu, wd, activation):
+    return _experts(xs, wgu, wd, r.group_sizes, activation, **kw)
+  return _expert_layer(x, r, w_gate_up, w_down, activation, mlp), _aux(r)
 
 
-def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, grouped):
-  """Permute, the two grouped matmuls with the activation product between them, and the
-  combine: the layer after routing. ``grouped(lhs, rhs)`` is a grouped matmul, and
-  ``grouped(lhs, rhs, glu=activation)`` the gate-and-up one followed by the activation
-  product (:func:`_gate_up`, or :func:`_with_glu` around another grouped matmul, as
+def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, mlp):
+  """Permute, the experts, and the combine: the layer after routing. ``mlp(xs, w_gate_up,
+  w_down, activation)`` runs the two grouped matmuls with the activation product between
+  them (:func:`_experts`, or :func:`_mlp_of` around another grouped matmul, as
   ``tools/bench_moe.py`` runs it on megablox's)."""
   top_k = r.expert_ids.shape[1]
-  xs = _dispatch(x, r.order, r.position, top_k)                       # [tokens * top_k, d]
-  act = grouped(xs, w_gate_up.astype(x.dtype), glu=activation)        # [tokens * top_k, f]
-  ys = grouped(act, w_down.astype(x.dtype))                           # [tokens * top_k, d]
+  xs = _dispatch(x, r.order, r.position, top_k)                                  # [tokens * top_k, d]
+  ys = mlp(xs, w_gate_up.astype(x.dtype), w_down.astype(x.dtype), activation)   # [tokens * top_k, d]
   return _combine(ys, r.weights, r.order, r.position).astype(x.dtype)
 
 

@@ -145,7 +145,7 @@ def test_split_layer_halves_compose_to_the_whole_layer(monkeypatch):
   half: the halves' values and gradients, chained, are the whole layer's."""
   bm = _load_tool("bench_moe")
   monkeypatch.setitem(bm.CASES, "tiny", dict(tokens=32, d=16, f=8, experts=4, top_k=2))
-  monkeypatch.setattr(bm, "_grouped", lambda cfg, gs: lambda sizes: bm.moe_mod._with_glu(
+  monkeypatch.setattr(bm, "_grouped", lambda cfg, gs: lambda sizes: bm.moe_mod._mlp_of(
       lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes)))
   cfg = dict(generation="v6e", case="tiny", groups="balanced", impl="ours", mode="fwdbwd", permutation="gather")
   keys = jax.random.split(jax.random.key(1), 5)

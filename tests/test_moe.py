@@ -13,6 +13,8 @@ Tolerances (|out - expected| <= atol + rtol * |expected|):
   the down projection (the reference keeps f32): 3e-2 of the largest output.
 * gradients, f32: 1e-4 of each gradient's largest entry.
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,6 +364,63 @@ def test_the_layer_fuses_the_product_into_its_gate_up_gmm_only_where_f_fits():
   assert names(128, (128, 128, 128)) == ["glu_backward", "gmm", "gmm_glu", "tgmm"]
 
 
+@pytest.mark.parametrize("sizes, k, f, activation, dtype, narrow", [
+    ((300, 0, 500, 150, 74), 256, 256, "silu", jnp.float32, False),    # an empty group, straddled tiles
+    ((200, 200, 100, 0, 300), 640, 384, "gelu", jnp.bfloat16, False),  # rows past the sum
+    ((200, 200, 100, 0, 300), 640, 384, "silu", jnp.bfloat16, True),   # 128-wide blocks: 3 per half
+    ((1000, 24, 0, 0, 0), 128, 128, "relu", jnp.float32, False),       # skewed, three empty groups
+])
+def test_the_experts_backward_runs_the_product_s_backward_inside_the_grouped_matmul(
+    sizes, k, f, activation, dtype, narrow, monkeypatch):
+  """kernels.moe._experts: the activation product's backward runs in the epilogue of the kernel
+  that computes its incoming gradient, whose two halves the gate-and-up backward reads in place
+  (its gmm's K blocks, its tgmm's n blocks: two per half here, or three with ``narrow``, which
+  also gives the fused kernel three column blocks). Its value and all three gradients against
+  the same layer on XLA, in interpret mode."""
+  import dataclasses
+  moe_mod, gmm_mod = importlib.import_module("kernels.moe"), importlib.import_module("kernels.gmm")
+  if narrow:
+    glu_bwd_plan, halves_plans = moe_mod._glu_bwd_plan, gmm_mod._halves_plans
+    monkeypatch.setattr(moe_mod, "_glu_bwd_plan", lambda *a: (
+        dataclasses.replace(glu_bwd_plan(*a)[0], tn=128), None))
+    monkeypatch.setattr(gmm_mod, "_halves_plans", lambda *a: (lambda g, gl, t, tl: (
+        dataclasses.replace(g, tk=128), gl, dataclasses.replace(t, tn=128), tl))(*halves_plans(*a)))
+  from kernels.moe import _experts
+  m, e = 1100, len(sizes)
+  xs, dy = rand((m, k), 1).astype(dtype), rand((m, k), 2).astype(dtype)
+  wgu = (rand((e, k, 2 * f), 3) / np.sqrt(k)).astype(dtype)
+  wd = (rand((e, f, k), 4) / np.sqrt(f)).astype(dtype)
+  gs = jnp.asarray(sizes, jnp.int32)
+  run = lambda impl: lambda *w: _experts(*w, gs, activation, implementation=impl,  # noqa: E731
+                                         interpret=True if impl == "pallas" else None)
+  y, vjp = jax.vjp(run("pallas"), xs, wgu, wd)
+  want_y, want_vjp = jax.vjp(run("xla"), xs, wgu, wd)
+  names = [e.params["name"] for e in _eqns(jax.make_jaxpr(lambda *a: jax.vjp(run("pallas"), *a)[1](dy))(
+      xs, wgu, wd).jaxpr) if e.primitive.name == "pallas_call"]
+  assert sorted(names) == ["gmm", "gmm", "gmm_glu", "gmm_glu_bwd", "tgmm", "tgmm"], names
+  tol = 1e-5 if dtype == jnp.float32 else 2 ** -6
+  for got, want in [(y, want_y), *zip(vjp(dy), want_vjp(dy))]:
+    want = np.asarray(want, np.float32)
+    assert np.abs(np.asarray(got, np.float32) - want).max() <= tol * max(np.abs(want).max(), 1e-30)
+  assert not np.asarray(y, np.float32)[sum(sizes):].any()  # rows past the sum are zero
+
+
+def test_the_experts_run_apart_where_the_fused_plans_do_not_apply():
+  from kernels.moe import _experts
+
+  def names(f, blocks=None):
+    xs, gs = rand((64, 32)), jnp.asarray([16, 16, 16, 16], jnp.int32)
+    wgu, wd = rand((4, 32, 2 * f)), rand((4, f, 32))
+    run = lambda *a: _experts(*a, gs, "silu", block_sizes=blocks, interpret=True)  # noqa: E731
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(run, *a)[1](rand((64, 32))))(xs, wgu, wd)
+    return sorted(e.params["name"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
+  assert names(128) == ["gmm", "gmm", "gmm_glu", "gmm_glu_bwd", "tgmm", "tgmm"]
+  # f not a multiple of 128: gmm, XLA's product and its backward, gmm
+  assert names(96) == ["gmm"] * 4 + ["tgmm"] * 2
+  # explicit blocks: the forward fused, the product's backward a kernel of its own
+  assert names(128, (128, 128, 128)) == ["glu_backward", "gmm", "gmm", "gmm", "gmm_glu", "tgmm", "tgmm"]
+
+
 def _eqns(jaxpr):
   """Every equation of ``jaxpr``, nested ones (custom VJPs, jit calls) included."""
   for e in jaxpr.eqns:
@@ -440,11 +499,12 @@ BENCH = {"E8_top2": (8192, 4096, 14336, 8, 2), "E64_top8": (8192, 2048, 1408, 64
 if which in BENCH:  # the default blocks at the layer's own matmul shapes (gate and up fused: n = 2f)
   t, d, f, e, top_k = BENCH[which]
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, None), *layer_args(t, d, e, f), generation=gen)
-  # 6 grouped matmuls (2 forward, gate and up with the activation product in one, 2 gmm for d lhs,
-  # 2 tgmm for d rhs) and the activation's backward
-  assert comp.hlo.count("tpu_custom_call") == 7, comp.hlo.count("tpu_custom_call")
-  # gate and up fused with the product wherever its plan fits (everywhere but v4's 16 MiB at E=64)
-  assert ("gmm_glu" in comp.hlo) == (gen != "v4" or which != "E64_top8"), "gmm_glu" in comp.hlo
+  # 6 grouped matmuls: 2 forward (gate and up with the activation product in one), 2 gmm for d lhs
+  # (the first with the product's backward in it), 2 tgmm for d rhs. Where the fused plans do not
+  # fit (v4's 16 MiB at E=64), the product's backward is a kernel of its own: 7.
+  fused = gen != "v4" or which != "E64_top8"
+  assert comp.hlo.count("tpu_custom_call") == (6 if fused else 7), comp.hlo.count("tpu_custom_call")
+  assert ("gmm_glu" in comp.hlo) == fused and ("gmm_glu_bwd" in comp.hlo) == fused, gen
   assert comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
   print("ok")
   sys.exit(0)
@@ -452,8 +512,10 @@ t, d, e, f = 256, 256, 8, 256
 args = layer_args(t, d, e, f)
 for top_k, cf in ((2, 1.25),):  # the capacity path: drops, and rows past the sum
   comp = kernels.compile_for_tpu(fwd_bwd(top_k, cf), *args, generation=gen)
-  # the Pallas grouped matmuls (2 forward, 2 for d lhs and 2 tgmm for d rhs), the activation's backward
-  assert comp.hlo.count("tpu_custom_call") >= 7, comp.hlo.count("tpu_custom_call")
+  # the Pallas grouped matmuls (2 forward, 2 for d lhs and 2 tgmm for d rhs), the activation's
+  # product and its backward inside the first of each
+  assert comp.hlo.count("tpu_custom_call") >= 6, comp.hlo.count("tpu_custom_call")
+  assert "gmm_glu_bwd" in comp.hlo, gen
   assert comp.vmem_bytes is None or comp.vmem_bytes < kernels.get_chip(gen).vmem_bytes
   # The permutations move rows in the activations' dtype, both ways: a gather is written to
   # HBM, so an f32 gather of [tokens * top_k, d] rows would double its bytes.

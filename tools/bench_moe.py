@@ -9,8 +9,8 @@ The layer (SwiGLU, bf16, router f32) is built three ways, with the same routing 
 (:func:`kernels.moe.route`, its cost included) and the same permutation, activation and
 combine (:func:`kernels.moe._expert_layer`):
 
-* ``ours``: the two grouped matmuls on :func:`kernels.gmm.gmm`'s kernel, dropless, the first (gate and up)
-  fused with the activation product (:func:`kernels.moe._gate_up`; the others run the product apart);
+* ``ours``: the two grouped matmuls on :func:`kernels.gmm.gmm`'s kernel, dropless, with the activation
+  product and its backward inside them (:func:`kernels.moe._experts`; the others run the product apart);
 * ``megablox``: the same layer on ``jax.experimental.pallas.ops.tpu.megablox.gmm``
   (its custom VJP), at its default tiling ``(128, 128, 128)`` (``megablox``) and at a
   large tiling ``(512, 1024, 1024)`` clipped to each matmul (``megablox_large``);
@@ -150,12 +150,12 @@ def _megablox_gmm(tiling):
       n = rhs.shape[2]
       t = tuple(min(a, b) for a, b in zip(tiling, (m, k, n)))
       return mb.gmm(lhs, rhs, gs, lhs.dtype, t)
-    return moe_mod._with_glu(run)  # the activation product after its gmm, as the layer's own would run apart
+    return moe_mod._mlp_of(run)  # the activation product between its two gmms, as the layer's own would run apart
   return grouped
 
 
 def _ours_gmm(static_sizes, blocks=None):
-  from kernels.gmm import GmmBlockSizes, gmm_static_groups
+  from kernels.gmm import GmmBlockSizes
   bs = GmmBlockSizes(*blocks) if blocks else None
   if bs is not None:  # the custom VJP's gmm and tgmm take the defaults: make these blocks the defaults too
     gm = importlib.import_module("kernels.gmm")
@@ -164,11 +164,9 @@ def _ours_gmm(static_sizes, blocks=None):
   def grouped(gs):
     del gs  # the cost model sees the case's sizes as constants (see the module docstring)
 
-    def run(lhs, rhs, glu=None):
-      if glu is None:
-        return gmm_static_groups(lhs, rhs, static_sizes, block_sizes=bs)
-      return moe_mod._gate_up(lhs, rhs, jnp.asarray(static_sizes, jnp.int32), glu, block_sizes=bs,
-                              implementation="pallas", interpret=False,
+    def run(xs, w_gate_up, w_down, activation):
+      return moe_mod._experts(xs, w_gate_up, w_down, jnp.asarray(static_sizes, jnp.int32), activation,
+                              block_sizes=bs, implementation="pallas", interpret=False,
                               static_sizes=tuple(int(v) for v in static_sizes))
     return run
   return grouped
