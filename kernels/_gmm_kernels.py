@@ -284,9 +284,9 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
 
   ``glu_bwd`` (the same activation): the backward form, behind the down projection. The
   product is ``d act`` (the incoming gradient times the down weights, transposed); two
-  more inputs are the forward's gate and up blocks, and the one output ``[2, m, n]``
-  holds ``d gate`` and ``d up`` (the activation product's gradient), so ``d act`` never
-  goes to HBM.
+  more inputs are the forward's gate and up blocks, and the one output ``[m, 2n]`` (its
+  block all ``2n`` columns: ``tn = n``) holds ``d gate`` and then ``d up`` (the activation
+  product's gradient), so ``d act`` never goes to HBM.
   """
   n_pref = 0 if tables.static else 1
   n_rhs = 2 if glu is not None else 1
@@ -324,14 +324,17 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   def scaled(val):
     return val * scale_ref[...] if has_scale else val
 
-  def store(ref, val, r=0, half=()):  # rows r : r + len(val) of the block (of its half, glu_bwd)
-    ref[(*half, pl.ds(r, val.shape[0]), slice(None))] = val
+  def cols(half):  # all the block's columns, or (glu_bwd) those of one half
+    return slice(None) if half is None else pl.ds(half * plan.tn, plan.tn)
 
-  def masked_store(ref, val, r=0, half=()):  # the same, only the rows of this visit's group
+  def store(ref, val, r=0, half=None):  # rows r : r + len(val) of the block
+    ref[pl.ds(r, val.shape[0]), cols(half)] = val
+
+  def masked_store(ref, val, r=0, half=None):  # the same, only the rows of this visit's group
     n = val.shape[0]
     rows = row0 + r + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
     mask = jnp.logical_and(rows >= start, rows < end)
-    at = (*half, pl.ds(r, n), slice(None))
+    at = (pl.ds(r, n), cols(half))
     ref[at] = jnp.where(mask, val, ref[at])
 
   def write(vals, put):
@@ -346,8 +349,8 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
         d = vals[0][r:r + sub].astype(o.dtype).astype(jnp.float32)
         gate, up = (ref[pl.ds(r, sub), :].astype(jnp.float32) for ref in gu_refs)
         a, vjp = jax.vjp(glu_bwd, gate)
-        put(o, vjp(d * up)[0].astype(o.dtype), r, (0,))
-        put(o, (d * a).astype(o.dtype), r, (1,))
+        put(o, vjp(d * up)[0].astype(o.dtype), r, 0)
+        put(o, (d * a).astype(o.dtype), r, 1)
       return
     for val, o in zip(vals, o_refs):
       put(o, scaled(val).astype(o.dtype))
@@ -417,7 +420,7 @@ def _gmm_kernel(*refs, tables: Tables, plan: Plan, transpose_rhs: bool, has_scal
   @pl.when(jnp.logical_and(jnp.logical_not(compute), kk == nk - 1))
   def _():  # rows of the tail (past the groups' sum)
     for o in o_refs + ((a_ref,) if glu is not None else ()):
-      for half in ([(0,), (1,)] if glu_bwd is not None else [()]):
+      for half in ([0, 1] if glu_bwd is not None else [None]):
         masked_store(o, jnp.zeros((plan.tm, plan.tn), o.dtype), 0, half)
 
 
@@ -431,23 +434,18 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
   ``[m, f]`` arrays gate, up and ``glu(gate) * up``: the gate blocks are rhs column block
   ``j``, the up blocks ``j + f / tn`` (the same array passed twice).
 
-  ``glu_bwd`` (the activation) and ``gate_up`` (the forward's gate and up, ``[m, n]`` each):
-  the result is ``[2, m, n]``, the gradients of gate and of up from the product's gradient
-  ``lhs @ rhs``, which stays in VMEM.
-
-  ``lhs`` ``[2, m, k / 2]`` (the two halves of a ``[m, k]`` lhs, as ``glu_bwd`` writes them;
-  ``tk`` divides ``k / 2``): K block ``kb`` is block ``kb mod (k / 2 / tk)`` of half
-  ``kb div (k / 2 / tk)``."""
+  ``glu_bwd`` (the activation) and ``gate_up`` (the forward's gate and up, ``[m, n]`` each),
+  with ``tn = n``: the result is ``[m, 2n]``, the gradients of gate and then of up from the
+  product's gradient ``lhs @ rhs``, which stays in VMEM. (One output block of all ``2n``
+  columns, not two blocks a step: libtpu's cost model charges nothing for a kernel whose
+  output block is ``(2, tm, tn)`` of a ``[2, m, n]`` array.)"""
   tables, flat = Tables.build(tables_dict, GMM_TABLES, static)
   tm, tk, tn, nk = plan.tm, plan.tk, plan.tn, plan.k_tiles
   pref_n = 0 if static else 1
   if glu is not None:
     assert not transpose_rhs and rhs_scale is None and plan.n % tn == 0 and rhs.shape[2] == 2 * plan.n
   if glu_bwd is not None:
-    assert rhs_scale is None and glu is None and all(a.shape == (plan.m, plan.n) for a in gate_up)
-  halves_k = lhs.ndim == 3
-  if halves_k:
-    assert lhs.shape[0] == 2 and (lhs.shape[2] % tk == 0) and 2 * lhs.shape[2] == plan.k
+    assert rhs_scale is None and glu is None and tn == plan.n and all(a.shape == (plan.m, plan.n) for a in gate_up)
   nf = plan.n_tiles
 
   def ids(args):
@@ -460,12 +458,7 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
 
   def lhs_map(*args):
     j, v, kk, pref = ids(args)
-    kb = k_of(kk, tables.get(pref, "group", v))
-    if halves_k:  # a comparison, not div/rem: Mosaic lowers a signed // with sign (TPU-only), and
-      # libtpu's cost model evaluates scalar div/rem as 0
-      half = (kb >= lhs.shape[2] // tk).astype(jnp.int32)
-      return half, tables.get(pref, "data_tile", v), kb - half * (lhs.shape[2] // tk)
-    return tables.get(pref, "data_tile", v), kb
+    return tables.get(pref, "data_tile", v), k_of(kk, tables.get(pref, "group", v))
 
   def data_map(*args):  # a block of the forward's gate or up, beside the output's
     j, v, kk, pref = ids(args)
@@ -485,12 +478,9 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
     j, v, kk, pref = ids(args)
     return tables.get(pref, "tile", v), j
 
-  def out2_map(*args):
-    return (0, *out_map(*args))
-
   sq = pl.squeezed
   rhs_block = (sq, tn, tk) if transpose_rhs else (sq, tk, tn)
-  in_specs = [pl.BlockSpec((sq, tm, tk) if halves_k else (tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+  in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
   args = [lhs, rhs]
   if glu is not None:  # the up columns: the same array, f / tn blocks further
     in_specs.append(pl.BlockSpec(rhs_block, functools.partial(rhs_map, shift=nf)))
@@ -505,8 +495,8 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
   halves = 2 if glu is not None else 1
   grid = (plan.n_tiles, tables_dict["visits"], nk)
   if glu_bwd is not None:
-    out_specs = [pl.BlockSpec((2, tm, tn), out2_map)]
-    out_shape = [jax.ShapeDtypeStruct((2, plan.m, plan.n), out_dtype)]
+    out_specs = [pl.BlockSpec((tm, 2 * tn), out_map)]
+    out_shape = [jax.ShapeDtypeStruct((plan.m, 2 * plan.n), out_dtype)]
   else:
     out_specs = [pl.BlockSpec((tm, tn), out_map)] * outs
     out_shape = [jax.ShapeDtypeStruct((plan.m, plan.n), out_dtype)] * outs
@@ -602,14 +592,10 @@ def _tgmm_kernel(*refs, tables: Tables, plan: Plan, lhs_tokens_major: bool):
 def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_dtype, static: bool, interpret,
               vmem_limit):
   """One pallas_call of the tgmm kernel: ``lhs`` [k, m] (or [m, k] with ``lhs_tokens_major``),
-  ``rhs`` [m, n], or ``[2, m, n / 2]`` (its two halves, ``tn`` dividing ``n / 2``, as the
-  gate-and-up backward writes them); the result [E, k, n]. Grid (k tiles, n tiles, visits)."""
+  ``rhs`` [m, n]; the result [E, k, n]. Grid (k tiles, n tiles, visits)."""
   tables, flat = Tables.build(tables_dict, TGMM_TABLES, static)
   tm, tk, tn = plan.tm, plan.tk, plan.tn
   pref_n = 0 if static else 1
-  halves_n = rhs.ndim == 3
-  if halves_n:
-    assert rhs.shape[0] == 2 and rhs.shape[2] % tn == 0 and 2 * rhs.shape[2] == plan.n
 
   def ids(args):
     return args[0], args[1], args[2], args[3:3 + pref_n]
@@ -621,9 +607,6 @@ def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_
 
   def rhs_map(*args):
     i, j, v, pref = ids(args)
-    if halves_n:  # a comparison, not div/rem (see gmm_call's lhs_map)
-      half = (j >= rhs.shape[2] // tn).astype(jnp.int32)
-      return half, tables.get(pref, "tile", v), j - half * (rhs.shape[2] // tn)
     return tables.get(pref, "tile", v), j
 
   def out_map(*args):
@@ -631,8 +614,7 @@ def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_
     return tables.get(pref, "group", v), i, j
 
   sq = pl.squeezed
-  in_specs = [pl.BlockSpec((tm, tk) if lhs_tokens_major else (tk, tm), lhs_map),
-              pl.BlockSpec((sq, tm, tn) if halves_n else (tm, tn), rhs_map)]
+  in_specs = [pl.BlockSpec((tm, tk) if lhs_tokens_major else (tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
   grid = (plan.k_tiles, plan.n_tiles, tables_dict["visits"])
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=pref_n, grid=grid, in_specs=in_specs,

@@ -97,7 +97,7 @@ from jax import lax
 from kernels import _gmm_kernels as K
 from kernels import tiling
 from kernels.backend import dispatch, target_chip
-from kernels.errors import KernelError, TilingError, VmemOverflowError, check
+from kernels.errors import KernelError, TilingError, check
 from kernels.hardware import get_chip
 
 __all__ = ["GmmBlockSizes", "default_block_sizes", "gmm", "gmm_reference", "gmm_static_groups", "tgmm",
@@ -444,52 +444,6 @@ def _gmm_backward(lhs, rhs, group_sizes, dout, *, p: _Problem, static_sizes, int
   else:  # rhs [E, k, n]: d rhs[g] = lhs[rows]^T @ dout[rows]
     drhs = _run_tgmm(lhs, dout, group_sizes, experts=p.experts, lhs_tokens_major=True, out_dtype=p.rhs_dtype,
                      blocks=none, static_sizes=static_sizes, interpret=interpret)
-  return dlhs, drhs
-
-
-def _split_block(plan: K.Plan, kernel: str, dtype, which: str):
-  """``plan`` with its ``tk`` (``which="k"``) or ``tn`` (``"n"``) replaced by the multiple of
-  128 dividing half of that dimension nearest to it that fits VMEM, and its VMEM limit; or
-  None. For operands in two halves (``[2, m, f]``), whose blocks cannot straddle them."""
-  chip = get_chip(target_chip() or "v5e")
-  half = (plan.k if which == "k" else plan.n) // 2
-  b = plan.tk if which == "k" else plan.tn
-  if half % tiling.LANES:
-    return None
-  for t in sorted(range(tiling.LANES, half + 1, tiling.LANES), key=lambda t: (abs(math.log(t / b)), -t)):
-    if half % t:
-      continue
-    tk, tn = (t, plan.tn) if which == "k" else (plan.tk, t)
-    try:
-      limit = tiling.vmem_limit(_vmem_bytes(kernel, plan.tm, tk, tn, dtype, dtype, dtype, plan.k), chip)
-    except VmemOverflowError:
-      continue
-    return dataclasses.replace(plan, tk=tk, tn=tn), limit
-  return None
-
-
-def _halves_plans(m: int, k: int, f: int, experts: int, dtype):
-  """The plans of gmm's backward (d lhs by gmm, d rhs by tgmm) for ``gmm(lhs [m, k], rhs
-  [E, k, 2f])`` when its output gradient comes in two halves, ``[2, m, f]`` (the fused
-  gate-and-up backward's, :mod:`kernels.moe`): ``(gmm plan, limit, tgmm plan, limit)`` or None."""
-  none = GmmBlockSizes()
-  g = _split_block(_plan("gmm", m, 2 * f, k, experts, none, dtype, dtype, dtype)[0], "gmm", dtype, "k")
-  t = _split_block(_plan("tgmm", m, k, 2 * f, experts, none, dtype, dtype, dtype)[0], "tgmm", dtype, "n")
-  return None if g is None or t is None else (*g, *t)
-
-
-def _gmm_backward_halves(lhs, rhs, group_sizes, dout2, plans, *, static_sizes, interpret):
-  """``(d lhs, d rhs)`` of ``gmm(lhs, rhs)`` (``rhs`` ``[E, k, 2f]``) at an output gradient
-  in two halves, ``dout2`` ``[2, m, f]``: :func:`_gmm_backward` with the halves read in
-  place (K blocks of the gmm, n blocks of the tgmm, each inside one half)."""
-  gplan, glimit, tplan, tlimit = plans
-  m = lhs.shape[0]
-  tables, static = _tables("gmm", group_sizes, static_sizes, m, gplan.tm)
-  dlhs = K.gmm_call(dout2, rhs, None, tables, plan=gplan, transpose_rhs=True, out_dtype=lhs.dtype, static=static,
-                    interpret=interpret, vmem_limit=glimit)
-  tables, static = _tables("tgmm", group_sizes, static_sizes, m, tplan.tm)
-  drhs = K.tgmm_call(lhs, dout2, tables, plan=tplan, lhs_tokens_major=True, out_dtype=rhs.dtype, static=static,
-                     interpret=interpret, vmem_limit=tlimit)
   return dlhs, drhs
 
 

@@ -59,8 +59,12 @@ holding gate columns and the matching up columns; it writes the two halves, whic
 backward needs, and their product, so nothing reads them back for the product), then
 the down projection as a second ``gmm``, then *combines*: each token gathers its
 ``top_k`` rows (by ``Routing.position``) and sums them weighted by the routing weights,
-in f32. The product's backward is a small Pallas kernel (:func:`_glu`) that writes
-``d [gate | up]`` in one pass, followed by gmm's own backward.
+in f32. The two grouped matmuls share one custom VJP (:func:`_experts`): the product's
+backward runs in the epilogue of the ``gmm`` that computes its incoming gradient
+(``dy @ w_down^T``, which so never goes to HBM), and writes ``d [gate | up]`` for gmm's
+backward of the gate-and-up matmul. Where that kernel's plan does not fit (experts wider
+than one column block), the product's backward is a small Pallas kernel of its own
+(:func:`_glu`).
 
 The permutations are gathers both ways: each forward gathers rows, and its custom VJP
 gathers the cotangent by the inverse permutation (the dispatch's summing a token's
@@ -70,8 +74,8 @@ token's choices is written as ``top_k`` gathers of ``[tokens, d]`` added element
 not as one ``[tokens, top_k, d]`` gather reduced over its middle axis
 (:func:`_gather_sum`). Rows are gathered in their own dtype and widened to f32 after: a
 gather is written to HBM, and f32 rows would double its bytes. The grouped matmuls'
-backward is :func:`kernels.gmm.gmm`'s own (a ``gmm`` with the transposed weights for the
-activations, a ``tgmm`` for the weights).
+backward is otherwise :func:`kernels.gmm.gmm`'s own (a ``gmm`` with the transposed weights
+for the activations, a ``tgmm`` for the weights).
 
 Passing ``w_up=None`` with ``w_gate`` of shape ``[experts, d, 2f]`` (the gate weights in
 the first ``f`` columns, the up weights in the last) skips the concatenation, which
@@ -513,7 +517,7 @@ def _gate_up(lhs, w, group_sizes, activation: str, *, block_sizes=None, implemen
 def _glu_bwd_vmem(tm: int, tk: int, tn: int, k: int, dtype) -> int:
   """The fused backward kernel's VMEM (``kernels._gmm_kernels._gmm_kernel`` with ``glu_bwd``):
   gmm's blocks for the product ``d act`` (lhs, transposed rhs), the gate and up blocks, and
-  the two halves of the output; the accumulator, Mosaic's copy of the lhs tile, each dot's
+  the output block (both halves); the accumulator, Mosaic's copy of the lhs tile, each dot's
   f32 result (as gmm's plan counts them) and the epilogue's row-chunk temporaries."""
   sites = 2 * (1 if tk >= k else 3)
   blocks = [((tm, tk), dtype), ((tn, tk), dtype)] + [((tm, tn), dtype)] * 4
@@ -524,30 +528,29 @@ def _glu_bwd_vmem(tm: int, tk: int, tn: int, k: int, dtype) -> int:
 
 def _glu_bwd_plan(m: int, k: int, f: int, experts: int, dtype):
   """``(plan, vmem_limit)`` of the fused backward kernel for ``d act = dy [m, k] @ w_down[g]^T``
-  (``w_down`` ``[E, f, k]``), or None: gmm's default plan for that product, its ``tn``
-  halved (to multiples of 128) until the extra blocks fit VMEM."""
+  (``w_down`` ``[E, f, k]``), or None. Its output block is all ``2f`` columns of a row tile
+  (``tn = f``), so it runs where gmm's own plan for that product takes ``f`` in one block
+  and the extra blocks still fit VMEM; otherwise (wide experts, as at E=8) the product's
+  backward is a kernel of its own."""
   chip = target_chip() or get_chip("v5e")
   plan, _ = gmm_mod._plan("gmm", m, k, f, experts, gmm_mod.GmmBlockSizes(), dtype, dtype, dtype)
-  tn = plan.tn
-  while True:
-    try:
-      limit = tiling.vmem_limit(_glu_bwd_vmem(plan.tm, plan.tk, tn, k, dtype), chip)
-      return dataclasses.replace(plan, tn=tn), limit
-    except VmemOverflowError:
-      if tn <= 128 or tn % 256:
-        return None
-      tn //= 2
+  if plan.tn < f or f % 128:
+    return None
+  try:
+    return plan, tiling.vmem_limit(_glu_bwd_vmem(plan.tm, plan.tk, f, k, dtype), chip)
+  except VmemOverflowError:
+    return None
 
 
 def _experts_pallas(xs, wgu, wd, group_sizes, *, activation, blocks, static_sizes, interpret):
   """The experts' two grouped matmuls, ``gmm(act(xs @ gate) * (xs @ up), w_down)``, as Pallas
   kernels, with one custom VJP over both, so that the backward of the activation product
   runs inside the kernel that computes its incoming gradient (``d act = dy @ w_down^T``):
-  that kernel reads the forward's gate and up blocks and writes ``d gate`` and ``d up`` as
-  two halves, ``[2, rows, f]``, which the gate-and-up matmul's backward reads in place.
-  Unfused, ``d act`` went to HBM and a separate kernel read it back with gate and up.
-  Where a plan does not fit, the forward and backward kernels run apart (:func:`_gate_up`
-  then :func:`kernels.gmm.gmm`)."""
+  that kernel reads the forward's gate and up blocks and writes ``d [gate | up]``,
+  ``[rows, 2f]``, for gmm's own backward of the gate-and-up matmul. Unfused, ``d act`` went
+  to HBM and a separate kernel read it back with gate and up. Where a plan does not fit
+  (:func:`_glu_bwd_plan`: experts whose ``f`` takes more than one column block), the
+  kernels run apart (:func:`_gate_up`, then :func:`kernels.gmm.gmm`)."""
   m, k = xs.shape
   experts, f = wd.shape[0], wd.shape[1]
   p_gu = gmm_mod._validate_gmm(xs, wgu, group_sizes, False, None, None)
@@ -557,8 +560,7 @@ def _experts_pallas(xs, wgu, wd, group_sizes, *, activation, blocks, static_size
                                static_sizes=static_sizes, interpret=interpret)
   up_plan = _gate_up_plan(m, k, f, experts, blocks, xs.dtype)
   back_plan = _glu_bwd_plan(m, k, f, experts, xs.dtype) if up_plan else None
-  halves = gmm_mod._halves_plans(m, k, f, experts, xs.dtype) if back_plan else None
-  if halves is None or (blocks.tm, blocks.tk, blocks.tn) != (None, None, None):
+  if back_plan is None or (blocks.tm, blocks.tk, blocks.tn) != (None, None, None):
     # apart (explicit blocks too: the fused backward runs at the default blocks)
     act = _gate_up_pallas(xs, wgu, group_sizes, p=p_gu, activation=activation, blocks=blocks,
                           static_sizes=static_sizes, interpret=interpret)
@@ -590,8 +592,7 @@ def _experts_pallas(xs, wgu, wd, group_sizes, *, activation, blocks, static_size
                      interpret=interpret, vmem_limit=limit, glu_bwd=act_fn, gate_up=(gate, up))
     dwd = gmm_mod._run_tgmm(act, dy, gs, experts=experts, lhs_tokens_major=True, out_dtype=p_d.rhs_dtype,
                             blocks=gmm_mod.GmmBlockSizes(), static_sizes=static_sizes, interpret=interpret)
-    dxs, dwgu = gmm_mod._gmm_backward_halves(xs, wgu, gs, dgu, halves, static_sizes=static_sizes,
-                                             interpret=interpret)
+    dxs, dwgu = gmm_mod._gmm_backward(xs, wgu, gs, dgu, p=p_gu, static_sizes=static_sizes, interpret=interpret)
     return dxs, dwgu, dwd, None
 
   mlp.defvjp(mlp_fwd, mlp_bwd)

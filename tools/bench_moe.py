@@ -86,6 +86,7 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from kernels.backend import target  # noqa: E402
 
 moe_mod = importlib.import_module("kernels.moe")  # the module (kernels.moe is the function)
 
@@ -154,8 +155,12 @@ def _megablox_gmm(tiling):
   return grouped
 
 
-def _ours_gmm(static_sizes, blocks=None):
-  from kernels.gmm import GmmBlockSizes
+def _ours_gmm(static_sizes, blocks=None, fuse_backward=True):
+  """Our layer's experts (:func:`kernels.moe._experts`) with the group sizes as constants.
+  ``fuse_backward=False``: the activation product's backward as a kernel of its own, as
+  ``_experts`` runs it where its fused plan does not fit; a slice of ``f`` must run the
+  kernels the full width runs (:func:`_fuses_backward`)."""
+  from kernels.gmm import GmmBlockSizes, gmm_static_groups
   bs = GmmBlockSizes(*blocks) if blocks else None
   if bs is not None:  # the custom VJP's gmm and tgmm take the defaults: make these blocks the defaults too
     gm = importlib.import_module("kernels.gmm")
@@ -165,11 +170,24 @@ def _ours_gmm(static_sizes, blocks=None):
     del gs  # the cost model sees the case's sizes as constants (see the module docstring)
 
     def run(xs, w_gate_up, w_down, activation):
-      return moe_mod._experts(xs, w_gate_up, w_down, jnp.asarray(static_sizes, jnp.int32), activation,
-                              block_sizes=bs, implementation="pallas", interpret=False,
-                              static_sizes=tuple(int(v) for v in static_sizes))
+      kw = dict(block_sizes=bs, implementation="pallas", interpret=False,
+                static_sizes=tuple(int(v) for v in static_sizes))
+      sizes = jnp.asarray(static_sizes, jnp.int32)
+      if fuse_backward:
+        return moe_mod._experts(xs, w_gate_up, w_down, sizes, activation, **kw)
+      act = moe_mod._gate_up(xs, w_gate_up, sizes, activation, **kw)
+      return gmm_static_groups(act, w_down, static_sizes, block_sizes=bs)
     return run
   return grouped
+
+
+def _fuses_backward(cfg) -> bool:
+  """Whether our layer at the case's full size runs the activation product's backward inside
+  its grouped matmul (kernels.moe._glu_bwd_plan), on the record's generation."""
+  case = CASES[cfg["case"]]
+  with target(kernels.get_chip(cfg["generation"])):
+    return moe_mod._glu_bwd_plan(case["tokens"] * case["top_k"], case["d"], case["f"], case["experts"],
+                                 jnp.bfloat16) is not None
 
 
 def grouped_layer(case, make_grouped):
@@ -238,7 +256,7 @@ def _copy_standins():
 def _grouped(cfg, gs):
   impl = cfg["impl"]
   if impl == "ours":
-    return _ours_gmm(gs, cfg.get("blocks"))
+    return _ours_gmm(gs, cfg.get("blocks"), fuse_backward=_fuses_backward(cfg))
   return _megablox_gmm((128, 128, 128) if impl == "megablox" else MEGABLOX_LARGE)
 
 
