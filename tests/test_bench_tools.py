@@ -208,3 +208,25 @@ def test_conv_rules_derive_the_shipped_default_choices(monkeypatch, tmp_path):
     for kind in ("winograd", "xla"):
       assert derived["defaults"][gen][kind] == shipped["defaults"][gen][kind], (gen, kind)
   assert derived["defaults"]["v6e"]["xla"] and derived["defaults"]["v5e"]["winograd"]
+
+
+@pytest.mark.parametrize("widths", [None, (2048, 3072)])
+def test_moe_slices_extrapolate_a_line_to_the_full_width(monkeypatch, widths):
+  """tools/bench_moe.py, for a program too large to estimate whole: two slices of f (divisors
+  of f, or --slice-widths) and the line through them at the full f; each record says which."""
+  bm = _load_tool("bench_moe")
+  calls = []
+
+  def fake(cfg, max_rss_gb):  # a cost linear in f: 100 us + 2 us per column
+    calls.append(cfg["f"])
+    return {"us": 100.0 + 2.0 * cfg["f"], "model_us": 2.0 * cfg["f"], "floor_us": 1.0 * cfg["f"],
+            "hbm_bytes": 10.0 * cfg["f"], "valid": True}
+  monkeypatch.setattr(bm, "estimate_isolated", fake)
+  monkeypatch.setattr(bm, "SLICE_WIDTHS", widths)
+  cfg = dict(generation="v6e", case="E8_top2", groups="balanced", impl="ours", mode="fwdbwd")
+  r = bm.estimate(cfg, 14, skip_full=True)
+  full = bm.CASES["E8_top2"]["f"]
+  assert calls == list(widths or (full // 8, full // 4))
+  assert r["us"] == pytest.approx(100.0 + 2.0 * full) and r["hbm_bytes"] == pytest.approx(10.0 * full)
+  assert ("f=2048 and f=3072" in r["scaled"]) == (widths is not None) and sorted(r["slices"]) == sorted(
+      f"f={x}" for x in calls)

@@ -54,10 +54,12 @@ piece is estimated in a child process of its own.
 
 *Size.* A child process estimates each program under ``flock /tmp/tpu-heavy.lock`` and
 is stopped above ``--max-rss-gb`` (8). When the full layer does not fit, the program
-is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``; ``--f-slices``)
-and extrapolated linearly in ``f`` (every matmul's FLOPs and every weight's bytes are
-linear in ``f``; routing, permutations and combine do not depend on it); such records
-carry ``"scaled": "linear in f from f/8 and f/4"``.
+is estimated at two slices of the experts' hidden width ``f`` (``f/8`` and ``f/4``; ``--f-slices``,
+or ``--slice-widths`` for widths that every kernel tiles as it tiles the full ``f``, e.g.
+2048 and 3072 at E=8) and extrapolated linearly in ``f`` (every matmul's FLOPs and every
+weight's bytes are linear in ``f``; routing, permutations and combine do not depend on
+it); such records carry ``"scaled": "linear in f from ..."``, naming the slices. A slice
+runs the kernels the full width runs (``_fuses_backward``).
 
 Run::
 
@@ -399,6 +401,7 @@ def estimate_isolated(cfg, max_rss_gb) -> dict:
 
 
 F_SLICES = (8, 4)  # --f-slices: the divisors of f of the two slices
+SLICE_WIDTHS = None  # --slice-widths: the two slices' sizes instead (e.g. 2048 3072: multiples of every tile)
 SLICE_DIM = "f"    # --slice-dim: "f", or "tokens" (for the dense layer, whose one-hot tensors do not shrink with f)
 
 
@@ -417,13 +420,15 @@ def estimate(cfg, max_rss_gb, skip_full=False) -> dict:
   full = CASES[cfg["case"]][dim]
   s1, s2 = F_SLICES
   assert full % s1 == 0 and full % s2 == 0 and s1 > s2, F_SLICES
+  x1, x2 = SLICE_WIDTHS or (full // s1, full // s2)
+  assert 0 < x1 < x2 < full, (x1, x2)
   if dim == "tokens" and cfg["impl"] == "dense":
-    assert (full // s1) % DENSE_GROUP == 0, "a tokens slice must hold whole capacity groups"
-  x1, x2 = full // s1, full // s2
+    assert x1 % DENSE_GROUP == 0 and x2 % DENSE_GROUP == 0, "a tokens slice must hold whole capacity groups"
   parts = [one(dict(cfg, **{dim: x}), max_rss_gb) for x in (x1, x2)]
   if not all("us" in p for p in parts):
     return {"error": f"full size: {r['error']}; slices: " + "; ".join(p.get("error", "ok") for p in parts)}
-  out = {"scaled": f"linear in {dim} from {dim}/{s1} and {dim}/{s2} (" + (
+  named = (f"{dim}={x1} and {dim}={x2}" if SLICE_WIDTHS else f"{dim}/{s1} and {dim}/{s2}")
+  out = {"scaled": f"linear in {dim} from {named} (" + (
              "the full program was not attempted: it had exceeded the RAM limit before" if skip_full
              else "the full program exceeded the RAM limit") + ")",
          "slices": {f"{dim}={x}": p for x, p in zip((x1, x2), parts)}}
@@ -524,7 +529,7 @@ def bench(args):
 
 
 def main(argv=None):
-  global TIMEOUT, F_SLICES, PERMUTATION, SLICE_DIM
+  global TIMEOUT, F_SLICES, SLICE_WIDTHS, PERMUTATION, SLICE_DIM
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("job", choices=("bench", "one"), nargs="?", default="bench")
   ap.add_argument("config", nargs="?", help="(one) a JSON configuration, used internally")
@@ -541,6 +546,8 @@ def main(argv=None):
   ap.add_argument("--slice-dim", choices=("f", "tokens"), default=SLICE_DIM)
   ap.add_argument("--f-slices", nargs=2, type=int, default=list(F_SLICES),
                   help="the divisors of f of the two slices when the full program does not fit (default 8 4)")
+  ap.add_argument("--slice-widths", nargs=2, type=int, metavar=("A", "B"),
+                  help="the two slices' sizes instead of --f-slices' divisors (any A < B < the full size)")
   ap.add_argument("--permutation", choices=("copy", "gather"), default=PERMUTATION)
   ap.add_argument("--split-check", action="store_true",
                   help="estimate the split of each stored whole-layer record and keep both (split_check)")
@@ -557,6 +564,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   TIMEOUT = args.timeout
   F_SLICES = tuple(args.f_slices)
+  SLICE_WIDTHS = tuple(args.slice_widths) if args.slice_widths else None
   PERMUTATION = args.permutation
   SLICE_DIM = args.slice_dim
   if args.job == "one":
