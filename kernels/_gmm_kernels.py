@@ -505,8 +505,10 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
       scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * halves)
   flops = 2 * plan.m * plan.k * plan.n * halves
   item = jnp.dtype(out_dtype).itemsize
+  # glu_bwd: gate and up in, d gate and d up out, m * n each
+  mn_arrays = 4 if glu_bwd is not None else outs
   nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize
-            + outs * plan.m * plan.n * item + (4 * plan.m * plan.n * item if glu_bwd is not None else 0))
+            + mn_arrays * plan.m * plan.n * item)
   act = glu if glu is not None else glu_bwd
   name = "gmm_glu" if glu is not None else "gmm_glu_bwd" if glu_bwd is not None else "gmm"
   call = pl.pallas_call(
