@@ -113,6 +113,39 @@ def test_estimate_in_pieces_sums_its_pieces_and_prices_a_kernel_as_alone():
       False, True, False, True, False]
 
 
+def test_a_program_of_constants_is_estimated_for_the_tpu():
+  # A piece cut from a program can take no argument (it computes from constants); with no argument to
+  # carry the placement, jit would lower it for the CPU.
+  c = jnp.arange(1024, dtype=jnp.int32)
+  e = kernels.estimate_tpu(lambda: jnp.cumsum(c) * 2, generation="v5e", isolate=True)
+  assert e.cycles > 0 and e.hbm_bytes >= 1024 * 4  # (XLA folds the constants: the output, at least)
+
+
+def test_an_xla_piece_whose_profile_aborts_is_charged_its_bytes_and_leaves_the_estimate_incomplete(monkeypatch):
+  # v5e's cost model aborts its process on some gathers (megablox's group tables). In pieces, such an
+  # XLA piece is charged its bytes and named in ``unmodeled``: a lower bound, never a silent 0. (The
+  # abort itself takes a minute to provoke: it is simulated at the child process's boundary.)
+  from kernels import tpu
+  real = tpu.estimate_tpu
+
+  def aborting(fn, *args, **kw):
+    if not any(eq.primitive.name == "pallas_call" for eq in jax.make_jaxpr(fn)(*args).eqns):
+      raise RuntimeError("TPU v5e static cost model failed in its child process (exit -6): ")
+    return real(fn, *args, **kw)
+  monkeypatch.setattr(tpu, "estimate_tpu", aborting)
+
+  def prog(a, b):
+    return jnp.sum(toy.matmul(jnp.tanh(a), b, bm=256, bk=512, bn=512).astype(jnp.float32))
+  args = sds(1024, 1024), sds(1024, 1024)
+  e = kernels.estimate_tpu_pieces(prog, *args, generation="v5e", isolate=True)
+  (n0, p0), (n1, p1), (n2, p2) = e.pieces
+  assert not e.complete and not e.record()["valid"] and len(e.unmodeled) == 2, e.unmodeled
+  assert p0.cycles == p2.cycles == 0 and p0.hbm_bytes >= 2 * 1024 * 1024 * 2 and p0.seconds == p0.floor_seconds
+  assert p1.complete and p1.cycles > 0
+  with pytest.raises(RuntimeError, match="child process"):  # without isolation an abort is not expected
+    kernels.estimate_tpu_pieces(prog, *args, generation="v5e")
+
+
 def test_a_pallas_kernel_the_model_does_not_charge_makes_the_estimate_incomplete():
   # libtpu's cost model charges some Pallas kernels 0 cycles without a word (here: 5-D blocks).
   # Such a kernel must land in ``unmodeled``: the estimate is then incomplete, never a silent 0.
