@@ -230,3 +230,32 @@ def test_moe_slices_extrapolate_a_line_to_the_full_width(monkeypatch, widths):
   assert r["us"] == pytest.approx(100.0 + 2.0 * full) and r["hbm_bytes"] == pytest.approx(10.0 * full)
   assert ("f=2048 and f=3072" in r["scaled"]) == (widths is not None) and sorted(r["slices"]) == sorted(
       f"f={x}" for x in calls)
+
+
+def test_a_guarded_estimate_is_stopped_with_its_own_children():
+  # The sweeps stop an estimate past its RAM limit; the estimate compiles in a child of its own
+  # (isolate=True), which must die with it, not go on growing.
+  import subprocess
+  import time
+  results = _load_tool("results")
+  grandchild = "import time; time.sleep(120)"
+  proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                           f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(120)"])
+  deadline = time.time() + 30
+  while not results._descendants(proc.pid) and time.time() < deadline:
+    time.sleep(0.1)
+  kids = results._descendants(proc.pid)
+  assert kids and results.rss_gb(proc.pid) > 0
+  results.kill_tree(proc)
+  assert proc.returncode is not None
+
+  def alive(pid):
+    try:
+      with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
+        return "\tZ" not in next(ln for ln in fh if ln.startswith("State:"))
+    except OSError:
+      return False
+  deadline = time.time() + 10
+  while any(alive(k) for k in kids) and time.time() < deadline:
+    time.sleep(0.1)
+  assert not any(alive(k) for k in kids)

@@ -559,8 +559,7 @@ def estimate_isolated(peer, c, gen, blocks, timeout=None):
           time.sleep(1)
           peak = max(peak, result_tables.rss_gb(proc.pid))
           if peak > MAX_RSS_GB or time.time() - t0 > timeout:
-            proc.kill()
-            proc.wait()
+            result_tables.kill_tree(proc)
             why = (f"the estimating process exceeded {MAX_RSS_GB:.0f} GB of RAM" if peak > MAX_RSS_GB
                    else f"the estimate took longer than {timeout} s")
             return {"error": f"not estimated: {why}"}

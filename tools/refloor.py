@@ -167,8 +167,7 @@ def run_child(specs, flags, timeout, max_rss_gb, kernels_tree=None):
         elif time.time() - t0 > timeout:
           why = f"the batch took longer than {timeout:g} s"
         if why:
-          proc.kill()
-          proc.wait()
+          result_tables.kill_tree(proc)
       out.seek(0)
       err.seek(0)
       lines = [json.loads(ln) for ln in out.read().splitlines() if ln.startswith("{")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -31,18 +32,41 @@ def save(table: dict, path: str) -> None:
   os.replace(tmp, path)
 
 
-def rss_gb(pid: int) -> float:
-  """Resident memory of process ``pid`` and its descendants in GiB (0 once it has exited): an
-  estimate may compile in child processes of its own (``isolate=True``)."""
-  total, todo = 0.0, [pid]
+def _descendants(pid: int) -> list[int]:
+  out, todo = [], [pid]
   while todo:
     p = todo.pop()
     try:
-      with open(f"/proc/{p}/status", encoding="utf-8") as fh:
-        total += next((int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:")), 0) / 2**20
       for task in os.listdir(f"/proc/{p}/task"):
         with open(f"/proc/{p}/task/{task}/children", encoding="utf-8") as fh:
-          todo += [int(c) for c in fh.read().split()]
+          kids = [int(c) for c in fh.read().split()]
+          out += kids
+          todo += kids
+    except (OSError, ValueError):
+      pass
+  return out
+
+
+def kill_tree(proc) -> None:
+  """Kills a ``subprocess.Popen`` and every process under it, then reaps it: an estimate's own
+  child (``isolate=True``) would otherwise go on computing, and growing, after its parent died."""
+  for pid in _descendants(proc.pid):
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except OSError:
+      pass
+  proc.kill()
+  proc.wait()
+
+
+def rss_gb(pid: int) -> float:
+  """Resident memory of process ``pid`` and its descendants in GiB (0 once it has exited): an
+  estimate may compile in child processes of its own (``isolate=True``)."""
+  total = 0.0
+  for p in [pid, *_descendants(pid)]:
+    try:
+      with open(f"/proc/{p}/status", encoding="utf-8") as fh:
+        total += next((int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:")), 0) / 2**20
     except (OSError, ValueError):
       pass
   return total

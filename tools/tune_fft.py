@@ -207,8 +207,7 @@ def _run_capped(cfg, max_gb: float) -> dict:
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   while proc.poll() is None:
     if result_tables.rss_gb(proc.pid) > max_gb:
-      proc.kill()
-      proc.wait()
+      result_tables.kill_tree(proc)
       return {"error": f"stopped: the estimate passed {max_gb} GB of RAM"}
     time.sleep(0.5)
   lines = [ln for ln in proc.stdout.read().splitlines() if ln.startswith("{")]

@@ -227,8 +227,7 @@ def run_guarded(cfg) -> dict:
   while proc.poll() is None:
     peak = max(peak, result_tables.rss_gb(proc.pid))
     if peak > MAX_RSS_GB or (TIMEOUT and time.time() - t0 > TIMEOUT):
-      proc.kill()
-      proc.wait()
+      result_tables.kill_tree(proc)
       return {"error": (f"stopped: the estimate passed {MAX_RSS_GB:g} GB of memory" if peak > MAX_RSS_GB
                         else f"stopped: the estimate took longer than {TIMEOUT:g} s"), "peak_rss_gb": round(peak, 1)}
     time.sleep(0.5)
