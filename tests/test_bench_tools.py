@@ -259,3 +259,46 @@ def test_a_guarded_estimate_is_stopped_with_its_own_children():
   while any(alive(k) for k in kids) and time.time() < deadline:
     time.sleep(0.1)
   assert not any(alive(k) for k in kids)
+
+
+def test_an_estimate_below_the_roofline_is_not_kept():
+  results = _load_tool("results")
+  ok = {"us": 10.0, "fraction_of_roofline": 0.8}
+  assert results.physical(ok) is ok
+  r = results.physical({"us": 5.0, "model_us": 5.0, "floor_us": 4.0, "fraction_of_roofline": 1.9})
+  assert "us" not in r and "below the roofline" in r["error"] and r["rejected"]["us"] == 5.0
+
+
+def test_megablox_with_known_groups_computes_what_megablox_computes():
+  # tools/peers.py gives megablox its metadata from known group sizes at trace time (so the cost
+  # model sees its real grid); the kernel must compute exactly what it computes at run time.
+  import importlib
+  mb = pytest.importorskip("jax.experimental.pallas.ops.tpu.megablox.ops")
+  mbg = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+  from kernels import traffic
+  peers = _load_tool("peers")
+  m, k, n, e = 512, 256, 256, 4
+  gs = np.array([200, 0, 56, 200], np.int32)  # an empty group, groups across tiles, rows past the sum
+  a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (e, k, n), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(2), (m, n), jnp.float32)
+
+  def run(a, b, dy):
+    out, vjp = jax.vjp(lambda a, b: mb.gmm(a, b, jnp.asarray(gs), jnp.float32, (128, 128, 128), interpret=True), a, b)
+    return out, vjp(dy)
+  want = jax.jit(run)(a, b, dy)
+  original = mbg.make_group_metadata
+  try:
+    peers.megablox_with_known_groups(gs)
+    traced = jax.make_jaxpr(run)(a, b, dy)
+    grids = [eq.params["grid_mapping"].grid for eq in traffic.pallas_calls(traced)]
+    got = jax.jit(run)(a, b, dy)
+  finally:
+    mbg.make_group_metadata = original
+    jax.clear_caches()
+  # every grid static: gmm, its transposed gmm and tgmm; the forward visits tiles 0, 1 (twice: groups 0
+  # and 2 share it), 2 and 3 (the empty group has no visit)
+  assert len(grids) == 3 and all(isinstance(d, int) for g in grids for d in g), grids
+  assert grids[0] == (2, 5, 2), grids
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(g))

@@ -25,9 +25,12 @@ the visit tables built from the benchmark's group sizes as constants; see
 ``kernels/gmm.py``), fed the case's group sizes (balanced: ``tokens * top_k / experts``
 each; skewed: the issue's ``[4096, 2048, ..., 64]`` times ``top_k``). The router still
 runs on the random inputs, its cost is included, but the grouped matmuls see the
-constant sizes. megablox has no such method: its grid length and tables are computed
-at run time, so its estimate is the cost model's reading of the dynamic program, and
-each record says so (``method``). The dense layer has no data-dependent control flow.
+constant sizes. megablox computes its tables and its grid length at run time; the model
+cannot know a run-time grid length and charges a fixed number of steps, so megablox gets
+its metadata from the same constant sizes, computed by its own code at trace time
+(``tools/peers.py``; ``method`` says so). Its tables still read as 0, so each of its
+kernels is charged at least its compulsory bytes. The dense layer has no data-dependent
+control flow.
 
 *Permutations.* The layer permutes tokens by two XLA row gathers (a plain ``x[idx]``).
 libtpu's v5e cost model aborts the process on them, and on v6e the compile with the cost
@@ -85,6 +88,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import peers  # noqa: E402  (tools/peers.py: megablox with its real grid)
 import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
@@ -261,6 +265,7 @@ def _grouped(cfg, gs):
   impl = cfg["impl"]
   if impl == "ours":
     return _ours_gmm(gs, cfg.get("blocks"), fuse_backward=_fuses_backward(cfg))
+  peers.megablox_with_known_groups(gs)  # its real grid (tools/peers.py)
   return _megablox_gmm((128, 128, 128) if impl == "megablox" else MEGABLOX_LARGE)
 
 
@@ -447,8 +452,8 @@ def estimate(cfg, max_rss_gb, skip_full=False) -> dict:
 
 def method(impl: str) -> str:
   return {"ours": "gmm_static_groups: the case's group sizes as compile-time constants",
-          "megablox": "dynamic program as written (group tables scalar-prefetched; the cost model reads them as 0)",
-          "megablox_large": "dynamic program as written (group tables scalar-prefetched; the cost model reads them as 0)",
+          "megablox": peers.METHOD,
+          "megablox_large": peers.METHOD,
           "dense": "no data-dependent control flow"}[impl]
 
 
@@ -511,6 +516,7 @@ def bench(args):
               if args.pieces:
                 cfg["in_pieces"] = True
               r = estimate(cfg, args.max_rss_gb, args.skip_full)
+            r = result_tables.physical(r)
             r.update(cfg, method=method(impl), date=datetime.date.today().isoformat())
             if cfg.get("blocks"):
               r["method"] += f"; blocks {tuple(cfg['blocks'])}, not the defaults"

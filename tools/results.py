@@ -72,6 +72,17 @@ def rss_gb(pid: int) -> float:
   return total
 
 
+def physical(r: dict) -> dict:
+  """``r``, unless its time is below the roofline (``fraction_of_roofline`` above 1), which no chip
+  can do: then the cost model did not charge all the work (it reads scalar-prefetched tables as
+  0), and the record keeps only an error and the rejected figures."""
+  if r.get("fraction_of_roofline", 0) <= 1.001:
+    return r
+  return {"error": f"not kept: the estimate ({r['us']:,.1f} us) is below the roofline ({r['fraction_of_roofline']:.0%} "
+                   "of its time), which no chip can do; the cost model did not charge all the work",
+          "rejected": {k: r.get(k) for k in ("us", "model_us", "floor_us", "fraction_of_roofline", "unmodeled")}}
+
+
 def run_child(argv: list[str], timeout: float = 3600) -> dict:
   """Runs ``python argv...`` (a sweep's ``one`` job, which prints its result as a JSON line) and
   returns that result, or ``{"error": ...}`` (the child's last error line) if it printed none."""

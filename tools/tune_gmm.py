@@ -16,7 +16,9 @@ blind spot (``method: "dynamic (prefetched tables read as 0)"``).
 
 *Peers.* ``ragged_dot`` (``jax.lax.ragged_dot``, XLA:TPU's grouped matmul), megablox's
 ``gmm`` (``jax.experimental.pallas.ops.tpu.megablox``; its group metadata is also
-scalar-prefetched, so its estimate has the same blind spot: ``method`` says so) at its
+scalar-prefetched, and its grid length computed at run time, which the model cannot see:
+it is given metadata computed from the case's sizes at trace time, ``tools/peers.py``,
+and its tables still read as 0, so it is charged at least its compulsory bytes) at its
 default tiling (128, 128, 128) and at (512, 1024, 1024), and a dense capacity einsum: each
 expert multiplies a ``[capacity, k]`` slab, capacity = 1.25 x tokens / E (rounded up to 8),
 ``einsum("eck,ekn->ecn")`` (the expert matmul of GShard's dense layout; the dispatch and
@@ -64,6 +66,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import peers  # noqa: E402  (tools/peers.py: megablox with its real grid)
 import results as result_tables  # noqa: E402  (tools/results.py: the JSON tables)
 import kernels  # noqa: E402  (first: enables the cost model before JAX loads libtpu)
 import jax  # noqa: E402
@@ -167,6 +170,7 @@ def _program(cfg):
     fwd = lambda a, b: jax.lax.ragged_dot(a, b, gsa)  # noqa: E731
   elif impl in MEGABLOX_TILINGS:
     from jax.experimental.pallas.ops.tpu.megablox import ops as mb  # noqa: PLC0415
+    peers.megablox_with_known_groups(gs)  # its real grid (tools/peers.py)
     tiling = tuple(min(t, d) for t, d in zip(MEGABLOX_TILINGS[impl], (m, k, n)))
     fwd = lambda a, b: mb.gmm(a, b, gsa, jnp.bfloat16, tiling)  # noqa: E731
   elif impl == "dense":
@@ -193,7 +197,9 @@ PIECES = result_tables.PIECES
 def method(impl: str) -> str:
   if impl == "ours":
     return "static offsets (group sizes as compile-time constants; same kernel body)"
-  if impl == "ours_dynamic" or impl.startswith("megablox"):
+  if impl.startswith("megablox"):
+    return peers.METHOD
+  if impl == "ours_dynamic":
     return "dynamic (prefetched group tables, read as 0 by the cost model: not trustworthy)"
   return "XLA program"
 
@@ -462,6 +468,7 @@ def bench(args):
           r["whole_error"] = whole["error"]
       else:
         r = estimate_isolated(cfg)
+      r = result_tables.physical(r)
       r.update(cfg, method=method(impl) + ("; " + PIECES if args.pieces else ""))
       if impl.startswith("ours"):
         r["kernel"] = KERNEL_VERSION
