@@ -26,7 +26,7 @@ cpu_programs_compile_unoptimized()
 # configurations) runs once, in `make test`. A new kernel adds its entry here.
 # A run that selects `aot_smoke` fails if an entry no longer names a collected test.
 AOT_SMOKE = (
-    # kernels.tpu: compile in process (cost-model flags) and in a child process (v4), readable
+    # kernels.perf.tpu: compile in process (cost-model flags) and in a child process (v4), readable
     # compiler errors, the static cost model
     "tests/test_tpu_aot.py::test_compiles_for_every_generation[v5e]",
     "tests/test_tpu_aot.py::test_compiles_for_every_generation[v4]",
@@ -76,7 +76,7 @@ def pytest_addoption(parser):
 
 
 def _tpu_aot_available() -> bool:
-  from kernels import tpu
+  from kernels.perf import tpu
   return tpu.available()
 
 

@@ -1,4 +1,4 @@
-"""kernels.attention: the Pallas flash attention against its pure-JAX reference.
+"""kernels.attention.api: the Pallas flash attention against its pure-JAX reference.
 
 Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU,
 on small problems (seq 100-300, 1-4 heads) with 128-wide blocks, so the grids have
@@ -16,7 +16,6 @@ to the largest entry.
 """
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +29,9 @@ import kernels
 from tests import EXTRA_AOT_GENERATIONS
 
 # The module (flash_attention the function is exported from kernels/__init__.py).
-att = importlib.import_module("kernels.attention")
+from kernels.attention import api as att
 # Its plan and masks: the tuning constants the tests shrink to fit small problems live here.
-plan_mod = importlib.import_module("kernels._attention_plan")
+from kernels.attention import plan as plan_mod
 BlockSizes = att.BlockSizes
 SMALL = BlockSizes(128, 128, 128, 128)
 ATOL = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -138,7 +137,7 @@ def test_bf16(monkeypatch):
     assert out.dtype == jnp.bfloat16
     close(out, att.attention_reference(q, k, v, **kw), jnp.bfloat16)
   monkeypatch.setattr(plan_mod, "_EXP_BF16", True)  # off by default (libtpu's cost model aborts on it)
-  with kernels.backend.target("v6e"):  # traced for v6e: the forward's exponentials run in bf16
+  with kernels.base.backend.target("v6e"):  # traced for v6e: the forward's exponentials run in bf16
     assert att._plan(att._validate(q, k, v, causal=True, segment_ids=None, sliding_window=None, logits_soft_cap=None,
                                    scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
                                    layout="BSHD")[0], SMALL, backward=False).exp_bf16
@@ -330,8 +329,8 @@ def test_fused_and_separate_dq(kw, monkeypatch):
 def test_backward_blocks_too_big_for_vmem():
   # 2048-blocks in the backward need ~135 MiB of VMEM (Mosaic's own count on v5e and v6e, which
   # have 128): a clear error naming block_sizes, raised while tracing, before Mosaic runs.
-  from kernels.backend import target
-  from kernels.errors import VmemOverflowError
+  from kernels.base.backend import target
+  from kernels.base.errors import VmemOverflowError
   q = jax.ShapeDtypeStruct((1, 2, 4096, 128), jnp.bfloat16)
   f = functools.partial(att.flash_attention, causal=True, layout="BHSD", block_sizes=BlockSizes(2048, 2048, 2048, 2048))
   grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
@@ -513,7 +512,7 @@ def test_default_block_sizes():
     assert isinstance(blocks, BlockSizes) and blocks.block_kv % 128 == 0 and blocks.block_kv_bwd % 128 == 0
   assert att.default_block_sizes(None) == att.default_block_sizes("v5e")
   # the tuned defaults of v5e / v6e: a causal S=8192 forward runs folded, in 512 x 512 masked tiles
-  from kernels import backend
+  from kernels.base import backend
   p, _, _ = att._validate(*qkv(sq=8192, h=1, kvh=1, d=128, dtype=jnp.bfloat16), causal=True, segment_ids=None,
                           sliding_window=None, logits_soft_cap=None, scale=None, bias=None, mask=None, sinks=None,
                           dropout_rate=0.0, dropout_key=None, layout="BSHD")
@@ -550,7 +549,7 @@ def test_default_plan_at_tuned_head_dims(gen):
           p, _, _ = att._validate(q, q, q, causal=causal, segment_ids=None, sliding_window=None,
                                   logits_soft_cap=None, scale=None, bias=None, mask=None, sinks=None,
                                   dropout_rate=0.0, dropout_key=None, layout="BHSD")
-          with kernels.backend.target(gen):
+          with kernels.base.backend.target(gen):
             fwd = att._plan(p, None, backward=False)
             att._plan(p, None, backward=True)
           assert fwd.mxu_rowsum == (d == 64)
@@ -568,7 +567,7 @@ def test_default_plan_never_fails(sq, skv, d, causal, bf16, gqa, gen):
   p, _, _ = att._validate(q, k, k, causal=causal and sq == skv, segment_ids=None, sliding_window=None,
                           logits_soft_cap=None, scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0,
                           dropout_key=None, layout="BSHD")
-  with kernels.backend.target(gen):
+  with kernels.base.backend.target(gen):
     for backward in (False, True):
       att._plan(p, None, backward)
 
@@ -582,7 +581,7 @@ bf16 = jnp.bfloat16
 def compile_plain(fn, args, generation):
   """compile_for_tpu in a child process without libtpu's cost model, which aborts the
   process on some of these programs (dropout; some GQA/BSHD shapes) that compile fine."""
-  return kernels.tpu._compile_elsewhere(jax.jit(fn), args, kernels.get_chip(generation))
+  return kernels.perf.tpu._compile_elsewhere(jax.jit(fn), args, kernels.get_chip(generation))
 
 
 @pytest.mark.tpu_aot

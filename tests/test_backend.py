@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import backend
+from kernels.base import backend
 from tests import toy
 
 

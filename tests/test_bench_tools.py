@@ -111,7 +111,7 @@ def test_dense_capacity_layer_is_the_moe_layer_when_nothing_drops(group):
   """The dense baseline of tools/bench_moe.py computes the same layer: with a capacity that
   drops nothing (capacity factor = experts), in f32, it equals kernels.moe_reference."""
   bm = _load_tool("bench_moe")
-  from kernels.moe import moe_reference
+  from kernels.experts.layer import moe_reference
   t, d, e, f, k = 64, 32, 4, 16, 2
   keys = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(keys[0], (t, d), jnp.float32)
@@ -275,7 +275,7 @@ def test_megablox_with_known_groups_computes_what_megablox_computes():
   import importlib
   mb = pytest.importorskip("jax.experimental.pallas.ops.tpu.megablox.ops")
   mbg = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-  from kernels import traffic
+  from kernels.perf import traffic
   peers = _load_tool("peers")
   m, k, n, e = 512, 256, 256, 4
   gs = np.array([200, 0, 56, 200], np.int32)  # an empty group, groups across tiles, rows past the sum

@@ -1,4 +1,4 @@
-"""kernels.conv: the direct and Winograd kernels against lax.conv_general_dilated and a float64 oracle.
+"""kernels.conv.api: the direct and Winograd kernels against lax.conv_general_dilated and a float64 oracle.
 
 Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU, on small
 shapes (odd H/W, channels that are not multiples of 128, several row blocks).
@@ -14,7 +14,6 @@ are N(0, 1); the oracle is float64 NumPy on the same, dtype-rounded, inputs):
 * bfloat16, Winograd: the transformed tiles and filters are rounded to bf16 before the
   MXU: 2e-2 (F2), 6e-2 (F4).
 """
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels.errors import KernelError, NoImplementationError
+from kernels.base.errors import KernelError, NoImplementationError
 
-C = importlib.import_module("kernels.conv")
-from kernels.conv import BlockSizes, conv2d, conv2d_reference, winograd_filter_transform  # noqa: E402
+from kernels.conv import api as C
+from kernels.conv.api import BlockSizes, conv2d, conv2d_reference, winograd_filter_transform  # noqa: E402
 
 TOL = {("direct", "float32"): 1e-5, ("winograd2", "float32"): 2e-5, ("winograd4", "float32"): 5e-5,
        ("direct", "bfloat16"): 1e-2, ("winograd2", "bfloat16"): 2e-2, ("winograd4", "bfloat16"): 4e-2}
@@ -278,10 +277,10 @@ def test_default_algorithm_follows_the_shipped_rules():
   # conv_blocks.json ships one Winograd rule (v5e: bf16, batches of 16, >= 512 channels, >= 28 wide)
   # and one XLA rule (v6e: bf16, batches of 8, >= 512 channels, >= 28 wide), both from
   # tools/tune_conv.py rules; everything else runs the direct kernel.
-  from kernels.backend import target
+  from kernels.base.backend import target
   sds = jax.ShapeDtypeStruct
-  rule = kernels.tiling.block_table("conv")["v5e"]["winograd"][0]
-  to_xla = kernels.tiling.block_table("conv")["v6e"]["xla"][0]
+  rule = kernels.base.tiling.block_table("conv")["v5e"]["winograd"][0]
+  to_xla = kernels.base.tiling.block_table("conv")["v6e"]["xla"][0]
   assert (to_xla["batch_multiple"], to_xla["min_cin"], to_xla["min_width"]) == (8, 512, 28)
   assert to_xla["evidence"]["us"]["xla"] < min(v for k, v in to_xla["evidence"]["us"].items() if k != "xla")
   w = sds((3, 3, 512, 512), jnp.bfloat16)
@@ -310,7 +309,7 @@ def test_default_algorithm_follows_the_shipped_rules():
 def test_default_hands_the_call_to_xla_only_where_the_rules_say_and_only_when_asked_for_nothing():
   # Under the v6e rule, algorithm=None with implementation=None runs XLA's convolution, even in
   # interpret mode; implementation="pallas" still runs our kernel (the direct one here).
-  from kernels.backend import target
+  from kernels.base.backend import target
   x = jax.random.normal(jax.random.key(0), (8, 2, 28, 512), jnp.bfloat16)
   w = (jax.random.normal(jax.random.key(1), (3, 3, 512, 512)) / 48).astype(jnp.bfloat16)
   with target(kernels.get_chip("v6e")):
@@ -420,7 +419,7 @@ def test_aot_compiles_benchmark_shapes(generation):
         lambda x, w: conv2d(x, w, algorithm="winograd", tile_size=4, implementation="pallas", interpret=False),
         xb, w, generation=generation, profile=False)
     assert "conv2d_winograd_f4" in comp.hlo and comp.vmem_bytes < kernels.get_chip(generation).vmem_bytes
-    with kernels.backend.target(kernels.get_chip(generation)):
+    with kernels.base.backend.target(kernels.get_chip(generation)):
       algorithm, tile = kernels.conv2d_default_algorithm(xb, w)
     if algorithm == "xla":  # the shipped rules hand this call to XLA: no kernel of ours in the program
       comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w), xb, w, generation=generation, profile=False)

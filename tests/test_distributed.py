@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
 from kernels import distributed as D
-from kernels.errors import KernelError
+from kernels.base.errors import KernelError
 
 F32_TOL, BF16_TOL = 5e-5, 3e-2
 SEQ = P(None, "x")
@@ -275,7 +275,7 @@ TOPOLOGIES = [("v5e", "v5e:2x4"), ("v5p", "v5p:2x2x2")]
 def test_aot_compiles_on_multichip_topologies(generation, topology):
   """Every distributed program, forward and backward, compiles for an 8-chip slice; ring attention's
   per-chip memory is the local blocks' (O(seq / devices))."""
-  from kernels import tpu
+  from kernels.perf import tpu
   mesh = tpu.tpu_mesh(topology, ("x",))
   n = mesh.size
   sds = lambda shape, spec, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731

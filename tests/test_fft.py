@@ -1,4 +1,4 @@
-"""kernels.fft: every transform against float64 NumPy, in interpret mode on the CPU.
+"""kernels.fourier.transforms: every transform against float64 NumPy, in interpret mode on the CPU.
 
 Error measure: max |out - numpy| / max |numpy| over the whole output (the DFT mixes every
 input into every output, so an elementwise relative error is meaningless near zeros).
@@ -10,7 +10,6 @@ bfloat16 ~5e-3):
 Interpret mode runs the real kernel (both the one-stage and the two-stage code) but slowly,
 so shapes stay small: the two-stage paths are exercised at N = 1024 (S = 8), 2048 and 1152 (S = 9).
 """
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 import kernels
 from tests import EXTRA_AOT_GENERATIONS
 
-kfft = importlib.import_module("kernels.fft")  # the module (``kernels.fft`` is also the function)
+from kernels.fourier import transforms as kfft
 
 BOUND = {"highest": 3e-6, "high": 3e-5, "bfloat16": 1.5e-2}
 PALLAS = dict(implementation="pallas", interpret=True)
@@ -389,8 +388,8 @@ def test_fused_fft_conv_no_races_on_two_cores():
 @pytest.mark.parametrize("causal", [True, False])
 def test_fused_fft_conv_256_wide_rows_for_v6e(causal):
   # v6e's 256-wide MXU: rows viewed as [S, 256] (seq 2048: 8 data rows), traced for v6e
-  from kernels.backend import target
-  fft_conv = importlib.import_module("kernels._fft_conv")
+  from kernels.base.backend import target
+  from kernels.fourier import long_conv as fft_conv
   assert fft_conv.lane_width(2048, "v6e") == 256 and fft_conv.lane_width(2048, "v5e") == 128
   assert fft_conv.lane_width(1024, "v6e") == 128  # 4 data rows of 256: too few
   rng = np.random.default_rng(11)
@@ -428,7 +427,7 @@ def test_fft_conv_bad_input():
 
 _AOT_PROGRAMS = """
 import sys, importlib, jax, jax.numpy as jnp, kernels
-kfft = importlib.import_module("kernels.fft")
+from kernels.fourier import transforms as kfft
 gen, which, f32, sds = sys.argv[1], sys.argv[2], jnp.float32, jax.ShapeDtypeStruct
 P = dict(implementation="pallas", interpret=False)
 

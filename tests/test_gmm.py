@@ -1,4 +1,4 @@
-"""kernels.gmm: gmm and tgmm against lax.ragged_dot and a float64 oracle, over skewed and empty groups.
+"""kernels.experts.grouped: gmm and tgmm against lax.ragged_dot and a float64 oracle, over skewed and empty groups.
 
 Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU, on small
 shapes with 128-row/column blocks, so grids have several m-tiles (tiles straddling group
@@ -13,7 +13,6 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|, entries O(sqrt(k))):
 * quantized rhs: the f32 product of bf16 lhs and exactly converted int8/fp8 rhs, scaled, rounded
   to the output dtype: as bfloat16 (or float32) above.
 """
-import importlib
 
 import jax
 import jax.test_util
@@ -24,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import _gmm_kernels as K
-from kernels.errors import KernelError, TilingError
+from kernels.experts import grouped_kernels as K
+from kernels.base.errors import KernelError, TilingError
 
-gm = importlib.import_module("kernels.gmm")  # (kernels.gmm is the function)
+from kernels.experts import grouped as gm
 
 TOL = {"float32": dict(atol=1e-4, rtol=1e-4), "bfloat16": dict(atol=2e-2, rtol=2 ** -7)}
 SMALL = (128, 128, 128)
@@ -183,7 +182,7 @@ def test_static_offsets_kernel_equals_dynamic(name):
 
 def _visit_axes(fn, *args):
   """The visit-axis length of each grouped-matmul kernel in ``fn``'s jaxpr (a tracer for a run-time bound)."""
-  from kernels import traffic
+  from kernels.perf import traffic
   jaxpr = jax.make_jaxpr(fn)(*args)
   out = []
   for e in traffic.pallas_calls(jaxpr):
@@ -363,7 +362,7 @@ def test_default_blocks_fit_every_generation():
 
 _AOT_PROGRAMS = """
 import sys, importlib, numpy as np, jax, jax.numpy as jnp, kernels
-gm = importlib.import_module("kernels.gmm")
+from kernels.experts import grouped as gm
 gen, bf16, sds = sys.argv[1], jnp.bfloat16, jax.ShapeDtypeStruct
 i32 = jnp.int32
 

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import hardware, roofline, tiling
+from kernels.base import hardware
+from kernels.base import roofline
+from kernels.base import tiling
 
 
 def test_table_has_every_generation_with_sources():

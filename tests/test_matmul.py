@@ -1,4 +1,4 @@
-"""kernels.matmul: the Pallas GEMM against its pure-JAX reference and a float64 NumPy oracle.
+"""kernels.gemm.api: the Pallas GEMM against its pure-JAX reference and a float64 NumPy oracle.
 
 Everything but the ``tpu_aot`` tests runs the kernel in interpret mode on the CPU,
 on small shapes with small blocks, so grids have several steps in every dimension.
@@ -16,7 +16,6 @@ so outputs are O(1)):
 * gradients: computed by the same kernel in f32: 1e-4 relative to the largest entry.
 """
 import dataclasses
-import importlib
 import itertools
 import math
 
@@ -30,11 +29,11 @@ from jax.experimental.pallas import tpu as pltpu
 from scipy import special
 
 import kernels
-from kernels.matmul import BlockSizes, matmul, matmul_reference
+from kernels.gemm.api import BlockSizes, matmul, matmul_reference
 
 # The module itself (for its helpers): once kernels/__init__.py exports the matmul
 # function, the attribute kernels.matmul is that function, not this module.
-mm = importlib.import_module("kernels.matmul")
+from kernels.gemm import api as mm
 
 TOL = {
     "float32": dict(atol=2e-5, rtol=2e-5),
@@ -492,7 +491,7 @@ def _default_plan(gen, dtype, m, k, n, ta, tb):
   quant = jnp.dtype(dtype) == jnp.int8
   p = mm._validate(a, b, transpose_a=ta, transpose_b=tb, bias=None, activation=None, out_dtype=None,
                    precision=None, dropout_rate=0.0, dropout_key=None, quantized=quant)
-  with kernels.backend.target(gen):
+  with kernels.base.backend.target(gen):
     return mm._plan(p, None, save_z=False)
 
 
@@ -501,7 +500,7 @@ def test_default_blocks_are_legal_for_every_dimension_from_1_to_2048():
   transpose combination, passes Mosaic's tiling rule on all three operand blocks. (fit_block_sizes
   legalizes each dimension from that dimension alone, so the diagonal m = k = n = d covers them all;
   the test below checks that claim on whole plans.)"""
-  table = kernels.tiling.block_table("matmul")
+  table = kernels.base.tiling.block_table("matmul")
   checked = 0
   for dtype in (jnp.bfloat16, jnp.float32, jnp.int8):
     candidates = {mm._FALLBACK} | {BlockSizes(e["bm"], e["bk"], e["bn"]) for per_gen in table.values()
@@ -509,9 +508,9 @@ def test_default_blocks_are_legal_for_every_dimension_from_1_to_2048():
     for blocks, ta, tb in itertools.product(candidates, (False, True), (False, True)):
       for d in range(1, 2049):
         bm, bk, bn = dataclasses.astuple(mm.fit_block_sizes(blocks, d, d, d, dtype, ta, tb, legalize=True))
-        kernels.tiling.check_block_shape("a", (bk, bm) if ta else (bm, bk), (d, d))
-        kernels.tiling.check_block_shape("b", (bn, bk) if tb else (bk, bn), (d, d))
-        kernels.tiling.check_block_shape("out", (bm, bn), (d, d))
+        kernels.base.tiling.check_block_shape("a", (bk, bm) if ta else (bm, bk), (d, d))
+        kernels.base.tiling.check_block_shape("b", (bn, bk) if tb else (bk, bn), (d, d))
+        kernels.base.tiling.check_block_shape("out", (bm, bn), (d, d))
         checked += 1
   assert checked > 3 * 4 * 2048
 
@@ -560,14 +559,14 @@ def test_default_blocks_fit_unaligned_shapes(gen):
                      jax.ShapeDtypeStruct((n, k) if tb else (k, n), dtype), transpose_a=ta, transpose_b=tb,
                      bias=None, activation=None, out_dtype=None, precision=None, dropout_rate=0.0, dropout_key=None)
     q = mm._stored_views(p)[0]
-    with kernels.backend.target(gen):
+    with kernels.base.backend.target(gen):
       plan = mm._plan(q, None, save_z=False)
     for prob, pl_ in ((p, base), (q, plan)):
       # (a skinny class may keep a dimension whole: checked against the tuned blocks otherwise)
       tuned = mm.fit_block_sizes(mm.default_block_sizes(gen, dtype, prob.m, prob.k, prob.n, keep_whole=False),
                                  prob.m, prob.k, prob.n, dtype, prob.transpose_a, prob.transpose_b, legalize=True,
                                  balance=False)
-      sub = kernels.tiling.sublane_multiple(dtype)
+      sub = kernels.base.tiling.sublane_multiple(dtype)
       # (K may take up to two more blocks when that pads less: more K steps re-read nothing)
       for d, b, b0, multiple, extra in (
           (prob.m, pl_.bm, tuned.bm, 128 if prob.transpose_a else sub, 0),

@@ -1,4 +1,4 @@
-"""kernels.moe: routing against a NumPy reference, the layer against its dense reference.
+"""kernels.experts.layer: routing against a NumPy reference, the layer against its dense reference.
 
 The layer runs ``gmm`` in interpret mode on the CPU (small shapes). ``moe_reference`` runs
 every expert on every token in f32 at the highest precision and masks.
@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels.moe import Routing, expert_capacity, moe_reference
-from kernels.moe import moe as moe_eager
-from kernels.moe import route as route_eager
+from kernels.experts.layer import Routing, expert_capacity, moe_reference
+from kernels.experts.layer import moe as moe_eager
+from kernels.experts.layer import route as route_eager
 
 # Jitted: one compile per shape instead of one per op (hypothesis draws many shapes).
 _STATIC = ("top_k", "scoring", "normalize_weights", "capacity_factor", "activation", "implementation", "interpret")
@@ -243,7 +243,7 @@ def test_gradients_match_dense_reference(dtype, top_k, capacity_factor, scoring)
 def test_permutation_vjps_are_gathers():
   x, rw, *_ = layer()
   r = route(x, rw, top_k=3)
-  from kernels.moe import _combine, _dispatch
+  from kernels.experts.layer import _combine, _dispatch
   g = rand((x.shape[0] * 3, x.shape[1]), 9)
   _, vjp = jax.vjp(lambda x: _dispatch(x, r.order, r.position, 3), x)
   _, want = jax.vjp(lambda x: x[r.order // 3], x)
@@ -275,7 +275,7 @@ def test_permutation_vjps_are_gathers():
 def test_glu_backward_kernel_matches_autodiff(rows, f, activation, dtype):
   # Row counts that leave a partial last block (1100 rows: blocks of 1024), column blocks of 128,
   # 256 and 384; d gate and d up against XLA's autodiff of the same product.
-  from kernels.moe import _glu, _glu_xla
+  from kernels.experts.layer import _glu, _glu_xla
   h, d = rand((rows, 2 * f), 1, 2.0, dtype), rand((rows, f), 2, 1.0, dtype)
   y, vjp = jax.vjp(lambda h: _glu(h, activation, interpret=True), h)
   want_y, want_vjp = jax.vjp(lambda h: _glu_xla(h, activation), h)
@@ -288,7 +288,7 @@ def test_glu_backward_kernel_matches_autodiff(rows, f, activation, dtype):
 
 
 def test_glu_backward_runs_the_kernel_only_where_f_fits_its_blocks():
-  from kernels.moe import _glu
+  from kernels.experts.layer import _glu
 
   def kernels_in(f):
     h, d = rand((16, 2 * f)), rand((16, f))
@@ -322,8 +322,8 @@ GATE_UP_CASES = [  # (group sizes, k, f, blocks): the fused kernel's paths
 def test_fused_gate_up_kernel_matches_gmm_then_the_product(sizes, k, f, blocks, activation, dtype):
   # The gate-and-up gmm with the activation product in its epilogue (one kernel), against the
   # grouped-matmul reference then the product, forward and gradients (d lhs, d w).
-  from kernels.gmm import gmm_reference
-  from kernels.moe import _gate_up, _glu_xla
+  from kernels.experts.grouped import gmm_reference
+  from kernels.experts.layer import _gate_up, _glu_xla
   m, gs = 384, jnp.asarray(sizes, jnp.int32)
   lhs, w = rand((m, k), 1, 1.0, dtype), rand((4, k, 2 * f), 2, k ** -0.5, dtype)
   d = rand((m, f), 3, 1.0, dtype)
@@ -344,7 +344,7 @@ def test_fused_gate_up_kernel_matches_gmm_then_the_product(sizes, k, f, blocks, 
 
 
 def test_the_layer_fuses_the_product_into_its_gate_up_gmm_only_where_f_fits():
-  from kernels.moe import _gate_up
+  from kernels.experts.layer import _gate_up
 
   def names(f, blocks=None):
     lhs, w, gs = rand((64, 32)), rand((4, 32, 2 * f)), jnp.asarray([16, 16, 16, 16], jnp.int32)
@@ -369,10 +369,10 @@ def test_the_layer_fuses_the_product_into_its_gate_up_gmm_only_where_f_fits():
 ])
 def test_the_experts_backward_runs_the_product_s_backward_inside_the_grouped_matmul(sizes, k, f, activation,
                                                                                        dtype):
-  """kernels.moe._experts: the activation product's backward runs in the epilogue of the kernel
+  """kernels.experts.layer._experts: the activation product's backward runs in the epilogue of the kernel
   that computes its incoming gradient, which writes d [gate | up] for gmm's backward. Its value
   and all three gradients against the same layer on XLA, in interpret mode."""
-  from kernels.moe import _experts
+  from kernels.experts.layer import _experts
   m, e = 1100, len(sizes)
   xs, dy = rand((m, k), 1).astype(dtype), rand((m, k), 2).astype(dtype)
   wgu = (rand((e, k, 2 * f), 3) / np.sqrt(k)).astype(dtype)
@@ -393,7 +393,7 @@ def test_the_experts_backward_runs_the_product_s_backward_inside_the_grouped_mat
 
 
 def test_the_experts_run_apart_where_the_fused_plans_do_not_apply():
-  from kernels.moe import _experts
+  from kernels.experts.layer import _experts
 
   def names(f, blocks=None):
     xs, gs = rand((64, 32)), jnp.asarray([16, 16, 16, 16], jnp.int32)
@@ -470,7 +470,7 @@ def test_bad_input_names_the_argument():
 
 _AOT_PROGRAM = """
 import re, sys, jax, jax.numpy as jnp, kernels
-from kernels.moe import moe
+from kernels.experts.layer import moe
 gen, which, bf16, sds = sys.argv[1], sys.argv[2], jnp.bfloat16, jax.ShapeDtypeStruct
 
 def fwd_bwd(top_k, capacity_factor):

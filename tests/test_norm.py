@@ -1,4 +1,4 @@
-"""kernels.norm: layer norm and RMS norm against their pure-JAX references and a float64 oracle.
+"""kernels.norm.api: layer norm and RMS norm against their pure-JAX references and a float64 oracle.
 
 Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU,
 on small shapes with small row blocks, so grids have several steps and a partial
@@ -15,7 +15,6 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|; outputs are O(1)):
   relative, and 2e-2 absolute near zero.
 * gradients (f32): the same formulas in a different order: 1e-4 of the largest entry.
 """
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +26,9 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels
-from kernels.norm import BlockSizes, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from kernels.norm.api import BlockSizes, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
-nm = importlib.import_module("kernels.norm")
+from kernels.norm import api as nm
 
 TOL = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2 ** -7)}
 GRAD_RTOL = 1e-4
@@ -479,7 +478,7 @@ def test_default_blocks_fit_every_generation():
           for rows, backward in ((b.rows, False), (b.backward_rows, True)):
             assert rows % 8 == 0 or nm._wide(hidden, dtype)
             need = nm._vmem_bytes(rows, hidden, dtype, backward=backward, residual=residual, params=2)
-            assert kernels.tiling.vmem_limit(need, chip) is None or need < chip.vmem_bytes
+            assert kernels.base.tiling.vmem_limit(need, chip) is None or need < chip.vmem_bytes
   # 65536-wide rows (wide layout) fit v4's 16 MiB with a few rows per block
   assert nm.fit_block_sizes(nm.default_block_sizes("v4", jnp.float32, 65536), 8192, 65536, jnp.float32,
                             residual=True, chip="v4").backward_rows in (1, 2)
@@ -497,7 +496,7 @@ def test_default_plan_never_fails(rows, hidden, kind, dtype, residual, gen):
   x = jax.ShapeDtypeStruct((rows, hidden), dtype)
   vec = jax.ShapeDtypeStruct((hidden,), jnp.float32)
   p = nm._validate(kind, x, vec, vec if kind == "layer" else None, x if residual else None, 1e-6)
-  with kernels.backend.target(gen):
+  with kernels.base.backend.target(gen):
     plan = nm._plan(p, BlockSizes())
     for r, backward in ((plan.rows, False), (plan.backward_rows, True)):
       grid, _ = nm._rows_plan(p, r, backward)

@@ -1,4 +1,4 @@
-"""kernels.parallel_scan: the dense LTI scan against its lax.scan reference and a float64 oracle.
+"""kernels.scan.parallel: the dense LTI scan against its lax.scan reference and a float64 oracle.
 
 Everything but the ``tpu_aot`` tests runs the kernels in interpret mode on the CPU, on small
 shapes (interpret mode runs each strided load of the sequential loop as a gather: a few seconds
@@ -23,12 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functools
-import importlib
 
 import kernels
 from kernels import parallel_scan, parallel_scan_reference
 
-ps = importlib.import_module("kernels.parallel_scan")  # (kernels.parallel_scan is the function)
+from kernels.scan import parallel as ps
 
 
 def model(b, t, d, n, o, dtype=jnp.float32, seed=0):
@@ -234,7 +233,7 @@ def test_default_segments_and_plans_fit_every_generation():
     for b, t, d, n in ((1, 131072, 256, 256), (8, 4096, 512, 512), (1, 37, 13, 130), (512, 2048, 64, 64)):
       x, A, B, C = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((b, t, d), (n, n), (d, n), (n, d)))
       p = ps._validate(x, A, B, C, None, None, True)
-      with kernels.backend.target(gen):
+      with kernels.base.backend.target(gen):
         plan = ps._plan(p, None, True)
       assert plan.rows % plan.lb == 0 and plan.s % plan.tj == 0 and plan.tj % 16 == 0
       assert plan.segments * plan.s >= t and plan.n % 128 == 0

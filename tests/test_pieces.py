@@ -7,18 +7,15 @@ interpret mode on the CPU through ``jit``, a custom VJP's backward and
 tests/test_tpu_aot.py.
 """
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from kernels import _pieces
-from kernels.backend import target
+from kernels.base.backend import target
+from kernels.perf import pieces as _pieces
 from tests import toy
-
-moe_mod = importlib.import_module("kernels.moe")
 
 
 def program(x, w1, w2):

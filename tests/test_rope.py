@@ -1,4 +1,4 @@
-"""kernels.rope: the rotation against its reference and a float64 NumPy oracle, the table cache, gradients.
+"""kernels.attention.rotary: the rotation against its reference and a float64 NumPy oracle, the table cache, gradients.
 
 Everything but the ``tpu_aot`` tests runs the kernel in interpret mode on the CPU, on small
 shapes with small blocks (several seq blocks, the last partial).
@@ -10,7 +10,6 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|; inputs are O(1)):
 * bfloat16: one rounding of the float32 result (2^-8 relative); kernel and reference may
   round a value on a boundary differently: one ulp, 2^-7 relative, and 1e-2 absolute.
 """
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-R = importlib.import_module("kernels.rope")  # the module (kernels.rope is the function)
-from kernels.rope import BlockSizes, RopeScaling, rope, rope_reference, rope_table
+from kernels.attention import rotary as R
+from kernels.attention.rotary import BlockSizes, RopeScaling, rope, rope_reference, rope_table
 
 TOL = {"float32": dict(atol=2e-6, rtol=2e-6), "bfloat16": dict(atol=1e-2, rtol=2 ** -7)}
 
@@ -152,7 +151,7 @@ def test_rotary_embedding_config_and_composed_rows():
   assert cfg.table(100, 64)[0] is rope_table(100, 64, rotary_dim=32, interleaved=True, scaling=RopeScaling("linear", 2.0))[0]
   cos, sin = cfg.table(5000, 64)
   base = np.stack([cos[4096], sin[4096]])
-  c2, s2 = importlib.import_module("kernels.rope").compose_rows(base, np.stack([cos[:128], sin[:128]]))
+  c2, s2 = R.compose_rows(base, np.stack([cos[:128], sin[:128]]))
   np.testing.assert_allclose(np.asarray(c2), cos[4096:4224], atol=2e-6, rtol=0)
   np.testing.assert_allclose(np.asarray(s2), sin[4096:4224], atol=2e-6, rtol=0)
   with pytest.raises(kernels.KernelError, match="rotary_dim"):

@@ -1,4 +1,4 @@
-"""kernels.scan: the linear recurrence against its lax.scan reference and a float64 oracle.
+"""kernels.scan.linear: the linear recurrence against its lax.scan reference and a float64 oracle.
 
 Everything but the ``tpu_aot`` tests runs the kernel in interpret mode on the CPU, on small
 shapes with small blocks, so grids have several seq chunks (the carry crosses chunks),
@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels
-from kernels import scan
-from kernels.scan import BlockSizes, linear_scan, linear_scan_reference
+from kernels.scan import linear as scan
+from kernels.scan.linear import BlockSizes, linear_scan, linear_scan_reference
 
 TOL = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=1e-2, rtol=2 ** -7)}
 SMALL = BlockSizes(16, 128)  # 2 seq chunks (the last partial) x 2 width blocks for [2, 24, 256]
@@ -358,7 +358,7 @@ def test_default_blocks_fit_every_generation():
         p = scan._Problem(1, 4096, width, "full", jnp.dtype(dtype), jnp.dtype(dtype), 1, False, True, False)
         for backward in (False, True):
           need = scan._vmem_bytes(f.seq_chunk, f.width_block, p, backward=backward)
-          assert kernels.tiling.vmem_limit(need, chip) is None or need < chip.vmem_bytes
+          assert kernels.base.tiling.vmem_limit(need, chip) is None or need < chip.vmem_bytes
   assert scan.default_block_sizes(None) == scan.default_block_sizes("v5e")
 
 

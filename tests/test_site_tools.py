@@ -478,11 +478,11 @@ def test_check_finds_translations_that_would_parse_as_a_list(tmp_path):
 
 def test_protected_markup():
     found = i18n_tool.protected_markup(
-        "Use `x`, {py:func}`kernels.tpu.estimate_tpu`, {doc}`a page <docs/api>`, "
+        "Use `x`, {py:func}`kernels.perf.tpu.estimate_tpu`, {doc}`a page <docs/api>`, "
         "[JAX](https://jax.dev) and $F/P$ (costs $5 or $6).")
     assert found == {
         "`x`": 1,
-        "{py:func}`kernels.tpu.estimate_tpu`": 1,
+        "{py:func}`kernels.perf.tpu.estimate_tpu`": 1,
         "{doc}`... <docs/api>`": 1,
         "(https://jax.dev)": 1,
         "$F/P$": 1,

@@ -1,4 +1,4 @@
-"""kernels.ssd: the chunked SSD kernel against the sequential recurrence (the oracle) and the plain-JAX chunked SSD.
+"""kernels.scan.chunked: the chunked SSD kernel against the sequential recurrence (the oracle) and the plain-JAX chunked SSD.
 
 Everything but the ``tpu_aot`` tests runs the kernel in interpret mode on the CPU, on small shapes with
 chunks of 128 tokens, so grids cross several chunks (the state is carried in VMEM), several head blocks and
@@ -16,7 +16,6 @@ Tolerances (|out - expected| <= ATOL + RTOL * |expected|, with ATOL relative to 
   are tested: the Pallas reverse pass (``backward="pallas"``, kernels/_ssd_bwd.py) and the VJP of the plain-JAX
   chunked SSD (``backward="xla"``).
 """
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels.ssd import BlockSizes, gated_linear_attention, gated_linear_attention_reference, ssd, ssd_chunked_xla, \
+from kernels.scan.chunked import BlockSizes, gated_linear_attention, gated_linear_attention_reference, ssd, ssd_chunked_xla, \
     ssd_reference
 
-S = importlib.import_module("kernels.ssd")  # (the module: `kernels.ssd` is the function)
+from kernels.scan import chunked as S
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -330,7 +329,7 @@ def test_default_blocks_fit_every_generation():
     d = S.default_block_sizes(gen)
     assert d.chunk_size == (256 if gen == "v6e" else 128) or S.tiling.block_table("ssd").get(gen)
     p = S._Problem(1, 8192, 32, 64, 1, 128, jnp.dtype(jnp.bfloat16), True, True)
-    with kernels.backend.target(gen):
+    with kernels.base.backend.target(gen):
       plan = S._plan(p, BlockSizes())
     need = S._vmem_bytes(p, plan.L, plan.hb, save_states=True)
     assert need < kernels.get_chip(gen).vmem_bytes and 32 % plan.hb == 0

@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels import style  # noqa: E402
-from kernels.roofline import plot_roofline  # noqa: E402
+from kernels.perf import style  # noqa: E402
+from kernels.perf.style import plot_roofline  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.md"))
 
@@ -126,7 +126,7 @@ def test_notebook_figures_go_through_the_style():
         for cell in _code_cells(path):
             if plotting.search(cell):
                 n += 1
-                assert "style." in cell, f"{path.name}: a figure that does not use kernels.style:\n{cell[:300]}"
+                assert "style." in cell, f"{path.name}: a figure that does not use kernels.perf.style:\n{cell[:300]}"
             # titles only through style.title (which insists on estimate / measured / computed) ...
             assert not re.search(r"\.set_title\(|\.suptitle\(|\btitle=", cell), f"{path.name}: {cell[:300]}"
             # ... and no colours from matplotlib's cycle, which change from panel to panel

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernels
-from kernels import tpu
+from kernels.perf import tpu
 from tests import toy
 
 pytestmark = pytest.mark.tpu_aot
@@ -37,7 +37,7 @@ def test_compile_without_profile_gives_the_same_program_and_memory():
 
 def test_child_compiles_share_one_worker_that_restarts_when_it_dies():
   """Compiles without the profiler reuse one child process (no start-up per compile); a dead one is replaced."""
-  worker = kernels.tpu._compile_worker
+  worker = kernels.perf.tpu._compile_worker
   worker._stop()  # a fresh worker: one that earlier tests grew past its limits would be replaced mid-test
   args = (sds(256, 256), sds(256, 256))
   kernels.compile_for_tpu(toy.matmul, *args, generation="v4", bm=128, bk=128, bn=128)
@@ -125,7 +125,7 @@ def test_an_xla_piece_whose_profile_aborts_is_charged_its_bytes_and_leaves_the_e
   # v5e's cost model aborts its process on some gathers (megablox's group tables). In pieces, such an
   # XLA piece is charged its bytes and named in ``unmodeled``: a lower bound, never a silent 0. (The
   # abort itself takes a minute to provoke: it is simulated at the child process's boundary.)
-  from kernels import tpu
+  from kernels.perf import tpu
   real = tpu.estimate_tpu
 
   def aborting(fn, *args, **kw):
@@ -174,7 +174,7 @@ def test_a_run_time_grid_bound_compiles_without_the_profiler_and_is_estimated_in
     return pl.pallas_call(lambda s_ref, x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2.0), grid_spec=grid_spec,
                           out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="dynamic")(steps, x)
   args = (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
-  assert kernels.tpu.dynamic_grid_kernels(jax.jit(dynamic), args, kernels.get_chip("v5e")) == ["dynamic"]
+  assert kernels.perf.tpu.dynamic_grid_kernels(jax.jit(dynamic), args, kernels.get_chip("v5e")) == ["dynamic"]
   comp = kernels.compile_for_tpu(dynamic, *args, generation="v5e")
   assert "tpu_custom_call" in comp.hlo
   e = kernels.estimate_tpu(dynamic, *args, generation="v5e")

@@ -1,4 +1,4 @@
-"""The HBM traffic counter (kernels.traffic) and the floored estimate built on it.
+"""The HBM traffic counter (kernels.perf.traffic) and the floored estimate built on it.
 
 The counter is checked on programs whose traffic is known in advance: a copy moves the
 array twice; a blocked Pallas matmul re-reads A once per column of output blocks and B
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import kernels
-from kernels import tpu, traffic
+from kernels.perf import tpu
+from kernels.perf import traffic
 from tests import toy
 
 bf16 = jnp.bfloat16

@@ -287,7 +287,7 @@ def build(peer, c, blocks):
                                             local_window_size=(window - 1, 0) if window else None)
     else:
       import importlib
-      att = importlib.import_module("kernels.attention").flash_attention
+      att = importlib.import_module("kernels.attention.api").flash_attention
       extra = {} if blocks is None else {"block_sizes": _ours_blocks(blocks)}
       if window:
         extra["sliding_window"] = window
@@ -427,14 +427,14 @@ def run_rope(args):
 
 def _ours_blocks(blocks):
   import importlib
-  mod = importlib.import_module("kernels.attention")
+  mod = importlib.import_module("kernels.attention.api")
   return mod.BlockSizes(**blocks)
 
 
 def ours_available() -> bool:
   try:
     import importlib
-    return hasattr(importlib.import_module("kernels.attention"), "flash_attention")
+    return hasattr(importlib.import_module("kernels.attention.api"), "flash_attention")
   except Exception:  # noqa: BLE001
     return False
 

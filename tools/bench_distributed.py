@@ -2,11 +2,11 @@
 
 The cost model cannot time collectives (it charges them 0 cycles), so a multi-chip program's time is
 built in the notebook from these per-chip compute estimates and the communication model of
-:mod:`kernels.ici`. This script records:
+:mod:`kernels.perf.ici`. This script records:
 
 * ``ring``: one ring-attention step on one chip, floored compiler estimates: a visiting step
   (zig-zag: ``L`` queries against ``L / 2`` keys, or the reverse, the same FLOPs), forward (flash
-  attention with its lse) and backward (:func:`kernels.attention.attention_block_grads`); at the
+  attention with its lse) and backward (:func:`kernels.attention.api.attention_block_grads`); at the
   target size also the diagonal step's forward (causal attention of the local ``L`` tokens) and the
   all-gathered baseline's busiest chip (its ``L`` queries against all ``n L`` keys, causal).
 * ``matmul``: the collective matmul's pieces, one step ``[m, k] x [k, f]`` and the whole local
@@ -31,8 +31,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from kernels import distributed, tpu  # noqa: E402
-from kernels.attention import attention_block_grads, flash_attention  # noqa: E402
+from kernels import distributed  # noqa: E402
+from kernels.perf import tpu
+from kernels.attention.api import attention_block_grads, flash_attention  # noqa: E402
 from tools import results  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "kernels", "data", "distributed_bench.json")

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import importlib.metadata
 import json
 import os
@@ -57,7 +56,7 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-mm = importlib.import_module("kernels.matmul")  # the module, not the exported function
+from kernels.gemm import api as mm
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
                    "matmul_bench.json")
@@ -83,7 +82,7 @@ UNALIGNED_GENERATIONS = ("v5e", "v6e")
 
 def default_plan(gen, m, k, n, dtype=jnp.bfloat16):
   """The blocks (and operand views) a default ``matmul(a, b)`` call plans on ``gen``."""
-  from kernels.backend import target
+  from kernels.base.backend import target
   sd = jax.ShapeDtypeStruct
   p = mm._validate(sd((m, k), dtype), sd((k, n), dtype), transpose_a=False, transpose_b=False, bias=None,
                    activation=None, out_dtype=None, precision=None, dropout_rate=0.0, dropout_key=None)
@@ -193,7 +192,7 @@ def estimate_one(case: dict) -> dict:
 
 def estimate_isolated(case: dict) -> dict:
   env = dict(os.environ)
-  if case["libtpu_flags"]:  # kernels._env keeps these and appends the cost model's flag
+  if case["libtpu_flags"]:  # kernels.base.env keeps these and appends the cost model's flag
     env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " " + case["libtpu_flags"]).strip()
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(case)],
                         capture_output=True, text=True, timeout=3600, env=env)

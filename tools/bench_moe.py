@@ -2,15 +2,15 @@
 
 Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost
 model, floored: never less than the program's counted HBM bytes at the published
-bandwidth), never a measurement, stored with :meth:`kernels.tpu.Estimate.record` in
+bandwidth), never a measurement, stored with :meth:`kernels.perf.tpu.Estimate.record` in
 ``kernels/data/moe_bench.json``.
 
 The layer (SwiGLU, bf16, router f32) is built three ways, with the same routing code
-(:func:`kernels.moe.route`, its cost included) and the same permutation, activation and
-combine (:func:`kernels.moe._expert_layer`):
+(:func:`kernels.experts.layer.route`, its cost included) and the same permutation, activation and
+combine (:func:`kernels.experts.layer._expert_layer`):
 
-* ``ours``: the two grouped matmuls on :func:`kernels.gmm.gmm`'s kernel, dropless, with the activation
-  product and its backward inside them (:func:`kernels.moe._experts`; the others run the product apart);
+* ``ours``: the two grouped matmuls on :func:`kernels.experts.grouped.gmm`'s kernel, dropless, with the activation
+  product and its backward inside them (:func:`kernels.experts.layer._experts`; the others run the product apart);
 * ``megablox``: the same layer on ``jax.experimental.pallas.ops.tpu.megablox.gmm``
   (its custom VJP), at its default tiling ``(128, 128, 128)`` (``megablox``) and at a
   large tiling ``(512, 1024, 1024)`` clipped to each matmul (``megablox_large``);
@@ -20,7 +20,7 @@ combine (:func:`kernels.moe._expert_layer`):
 
 *Group sizes seen by the cost model.* libtpu's cost model reads scalar-prefetched values
 as 0, and both ``gmm`` and megablox scalar-prefetch their group tables. ``ours`` is
-therefore estimated with :func:`kernels.gmm.gmm_static_groups` (the same kernel with
+therefore estimated with :func:`kernels.experts.grouped.gmm_static_groups` (the same kernel with
 the visit tables built from the benchmark's group sizes as constants; see
 ``kernels/gmm.py``), fed the case's group sizes (balanced: ``tokens * top_k / experts``
 each; skewed: the issue's ``[4096, 2048, ..., 64]`` times ``top_k``). The router still
@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
 import datetime
 import json
 import os
@@ -94,9 +93,9 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from kernels.backend import target  # noqa: E402
+from kernels.base.backend import target  # noqa: E402
 
-moe_mod = importlib.import_module("kernels.moe")  # the module (kernels.moe is the function)
+from kernels.experts import layer as moe_mod
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 OUT = os.path.join(DATA, "moe_bench.json")
@@ -164,14 +163,14 @@ def _megablox_gmm(tiling):
 
 
 def _ours_gmm(static_sizes, blocks=None, fuse_backward=True):
-  """Our layer's experts (:func:`kernels.moe._experts`) with the group sizes as constants.
+  """Our layer's experts (:func:`kernels.experts.layer._experts`) with the group sizes as constants.
   ``fuse_backward=False``: the activation product's backward as a kernel of its own, as
   ``_experts`` runs it where its fused plan does not fit; a slice of ``f`` must run the
   kernels the full width runs (:func:`_fuses_backward`)."""
-  from kernels.gmm import GmmBlockSizes, gmm_static_groups
+  from kernels.experts.grouped import GmmBlockSizes, gmm_static_groups
   bs = GmmBlockSizes(*blocks) if blocks else None
   if bs is not None:  # the custom VJP's gmm and tgmm take the defaults: make these blocks the defaults too
-    gm = importlib.import_module("kernels.gmm")
+    from kernels.experts import grouped as gm
     gm.default_block_sizes = lambda generation=None, kernel="gmm": bs
 
   def grouped(gs):
@@ -191,7 +190,7 @@ def _ours_gmm(static_sizes, blocks=None, fuse_backward=True):
 
 def _fuses_backward(cfg) -> bool:
   """Whether our layer at the case's full size runs the activation product's backward inside
-  its grouped matmul (kernels.moe._glu_bwd_plan), on the record's generation."""
+  its grouped matmul (kernels.experts.layer._glu_bwd_plan), on the record's generation."""
   case = CASES[cfg["case"]]
   with target(kernels.get_chip(cfg["generation"])):
     return moe_mod._glu_bwd_plan(case["tokens"] * case["top_k"], case["d"], case["f"], case["experts"],
@@ -278,7 +277,7 @@ DENSE_DOTS_ABOVE = 1e10  # the dense layer's dispatch, expert and combine einsum
 
 def part_program(cfg):
   """One of the two halves of a grouped layer (``cfg["part"]``), forward or forward + backward:
-  ``routing`` (:func:`kernels.moe.route`: router matmul, softmax, top-k, sort; its backward
+  ``routing`` (:func:`kernels.experts.layer.route`: router matmul, softmax, top-k, sort; its backward
   from the combine weights' and the losses' cotangents) and ``experts`` (the layer after
   routing, with the routing as inputs; its backward to ``x``, the combine weights and both
   weights). A TPU runs a program's ops one after another, so the two estimates add up to

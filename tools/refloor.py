@@ -1,14 +1,14 @@
 """Re-states stored compiler estimates on the floored estimate, without re-estimating them.
 
 ``kernels.estimate_tpu`` floors its time at the program's HBM bytes over the published
-bandwidth (:class:`kernels.tpu.Estimate`). Tables written before that hold the cost
+bandwidth (:class:`kernels.perf.tpu.Estimate`). Tables written before that hold the cost
 model's time alone, which stays valid for the program that was estimated; what is
 missing is that program's counted HBM bytes. For every stored estimate this script
 rebuilds the program its tool estimated (with the tool's own builder:
 ``calibrate.program``, ``bench_matmul._program``, ``tune_matmul.program``,
 ``tune_attention.program``, ``bench_attention.build``; same blocks, layouts, libtpu
 flags; attention_blocks' candidates on the kernels of the commits that estimated them),
-counts its bytes with :func:`kernels.tpu.hbm_traffic` in a child process that
+counts its bytes with :func:`kernels.perf.tpu.hbm_traffic` in a child process that
 only compiles (``KERNELS_STATIC_PROFILE=0``: no cost model, much faster), and writes back
 
 * ``model_us`` = the stored ``us``, ``hbm_bytes``, ``bytes_method``,
@@ -32,7 +32,7 @@ Usage::
   .venv/bin/python tools/refloor.py attention_bench --sync      # only recompute derived fields
   nice -n 10 .venv/bin/python tools/refloor.py matmul_bench --recount  # floored records, newer counter
 
-A newer byte counter (``kernels.traffic.COUNTER_VERSION``, stored as ``counter``) only ever
+A newer byte counter (``kernels.perf.traffic.COUNTER_VERSION``, stored as ``counter``) only ever
 counts less, so only the records the floor set can change: ``--recount`` counts those again.
 """
 from __future__ import annotations
@@ -128,9 +128,9 @@ def _program(spec):
 def child(specs):
   """Counts each spec's HBM bytes; prints one JSON line per spec."""
   import kernels  # noqa: F401  (first: libtpu's flags)
-  from kernels.roofline import roofline
-  from kernels import traffic
-  from kernels.tpu import hbm_traffic
+  from kernels.base.roofline import roofline
+  from kernels.perf import traffic
+  from kernels.perf.tpu import hbm_traffic
   for spec in specs:
     t0 = time.time()
     try:
@@ -186,7 +186,7 @@ def run_child(specs, flags, timeout, max_rss_gb, kernels_tree=None):
 
 _RECORD_KEYS = ("us", "model_us", "floor_us", "hbm_bytes", "bytes_method", "counter", "floored", "valid",
                 "fraction_of_roofline")
-COUNTER = None  # kernels.traffic.COUNTER_VERSION (read in main: importing kernels loads libtpu)
+COUNTER = None  # kernels.perf.traffic.COUNTER_VERSION (read in main: importing kernels loads libtpu)
 RECOUNT = None  # "floored" (--recount) or "all" (--recount-all): records counted by an older counter
 
 
@@ -609,7 +609,7 @@ def main(argv=None):
   ap.add_argument("--list", action="store_true", help="print the entries that would be re-floored")
   ap.add_argument("--sync", action="store_true", help="only recompute the derived fields")
   ap.add_argument("--recount", action="store_true", help="count again the floored records whose bytes an older "
-                  "counter (kernels.traffic.COUNTER_VERSION) counted; the floor binds there, so their time can move")
+                  "counter (kernels.perf.traffic.COUNTER_VERSION) counted; the floor binds there, so their time can move")
   ap.add_argument("--recount-all", action="store_true", help="count again every record an older counter counted "
                   "(their hbm_bytes are shown; a time the floor did not set stays)")
   ap.add_argument("--report", action="store_true", help="print floored and over-roofline entries")
@@ -617,7 +617,7 @@ def main(argv=None):
                   "or the commit an entry names)")
   args = ap.parse_args(argv)
   global COUNTER, RECOUNT
-  from kernels import traffic
+  from kernels.perf import traffic
   COUNTER = traffic.COUNTER_VERSION
   RECOUNT = "all" if args.recount_all else "floored" if args.recount else None
   for name in args.tables:

@@ -20,7 +20,7 @@ charged one kv block per causal q row. The kernel now uses products and shifts t
 ``--head-dim 64`` (or 256) tunes only the forward blocks at that head_dim (candidates
 1024 x 1024 and 2048 x 2048, causal and not, S = 4096 and 8192, 2 heads, ranked by the
 geometric mean of the four estimates) into the generation's ``by_head_dim`` entry, which
-:func:`kernels.attention.default_block_sizes` uses for head dims nearest it::
+:func:`kernels.attention.api.default_block_sizes` uses for head dims nearest it::
 
   flock /tmp/tpu-heavy.lock .venv/bin/python tools/tune_attention.py --head-dim 64 --generations v6e v5e
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import os
 import platform
 import sys
@@ -51,9 +50,9 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-att = importlib.import_module("kernels.attention")
-from kernels import backend  # noqa: E402
-from kernels.errors import KernelError  # noqa: E402
+from kernels.attention import api as att
+from kernels.base import backend  # noqa: E402
+from kernels.base.errors import KernelError  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
                    "attention_blocks.json")

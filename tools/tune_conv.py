@@ -1,7 +1,7 @@
 """Benchmarks kernels.conv against XLA and plain-JAX Winograd with the TPU compiler's cost model.
 
 Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost
-model), never a measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is the
+model), never a measurement, stored with :meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the
 floored estimate (the model's time, but never less than the program's counted HBM bytes at
 the published bandwidth). ``complete`` is False when the model charged real work 0 cycles
 (``unmodeled``; it does so for some XLA convolution fusions): such an estimate is a lower
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import math
 import os
@@ -53,7 +52,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-C = importlib.import_module("kernels.conv")  # noqa: E402
+from kernels.conv import api as C  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BENCH_OUT = os.path.join(DATA, "conv_bench.json")

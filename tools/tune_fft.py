@@ -2,7 +2,7 @@
 
 ``bench`` -> ``kernels/data/fft_bench.json``. Every number is a **compiler estimate**
 (``kernels.estimate_tpu``, libtpu's static cost model), never a measurement, stored with
-:meth:`kernels.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
+:meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
 never less than the program's counted HBM bytes at the published bandwidth).
 
 Cases (complex data as float32 planes for ours; complex64 for the others, which is what they take):
@@ -34,7 +34,6 @@ Run it under the shared lock::
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -49,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-kfft = importlib.import_module("kernels.fft")
+from kernels.fourier import transforms as kfft
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BENCH_OUT = os.path.join(DATA, "fft_bench.json")
@@ -108,7 +107,7 @@ def _program(cfg):
         if impl == "ours" else kfft.fft_conv_reference
     if cfg["mode"] == "fwd":
       return fwd, (u, k)
-    fft_conv = importlib.import_module("kernels._fft_conv")
+    from kernels.fourier import long_conv as fft_conv
     if cfg["mode"] == "fwd_save":  # our forward under differentiation: it also writes u's spectrum
       return (lambda u, k: fft_conv._conv_call(u, k, None, causal=True, precision=precision, interpret=False,
                                                save_spectrum=True)), (u, k)
@@ -223,7 +222,7 @@ def bench(args):
   table = result_tables.load(out) or {}
   table.update({
       "description": (
-          "kernels.fft against XLA's FFT and plain-JAX matmul DFTs: compiler estimates (libtpu's static cost model), "
+          "kernels.fourier.transforms against XLA's FFT and plain-JAX matmul DFTs: compiler estimates (libtpu's static cost model), "
           "not measurements. us is the floored estimate (the model's time, never less than the counted HBM bytes at "
           "the published bandwidth), estimated on a slice of the batch and scaled by slice_scale to the "
           "full batch (rows are independent: work and bytes are linear in them). fraction_of_roofline: the roofline, "

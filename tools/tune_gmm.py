@@ -1,14 +1,14 @@
 """Tunes kernels.gmm's blocks and benchmarks gmm / tgmm against their peers, with the TPU compiler's cost model.
 
 Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost
-model), never a measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is
+model), never a measurement, stored with :meth:`kernels.perf.tpu.Estimate.record`: ``us`` is
 the floored estimate (the model's time, never less than the program's counted HBM bytes at
 the published bandwidth); ``model_us`` and ``floor_us`` stay beside it.
 
 *How our kernels are estimated.* The cost model reads scalar-prefetched values as 0, so an
 estimate of the dynamic kernel (visit tables prefetched) sees every visit at group 0,
 tile 0 and no DMA: not trustworthy. Ours are therefore estimated with
-:func:`kernels.gmm.gmm_static_groups` / ``tgmm_static_groups``: the same kernel body and
+:func:`kernels.experts.grouped.gmm_static_groups` / ``tgmm_static_groups``: the same kernel body and
 index maps with the case's group sizes as compile-time constants (``method:
 "static offsets"``; the tests check in interpret mode that it computes what the dynamic
 kernel computes). ``ours_dynamic`` is the dynamic kernel's estimate, kept only to show the
@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import importlib
 import json
 import math
 import os
@@ -73,7 +72,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-gm = importlib.import_module("kernels.gmm")
+from kernels.experts import grouped as gm
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BLOCKS_OUT = os.path.join(DATA, "gmm_blocks.json")
@@ -473,7 +472,7 @@ def bench(args):
       if impl.startswith("ours"):
         r["kernel"] = KERNEL_VERSION
         c = CASES[case]
-        with kernels.backend.target(gen):
+        with kernels.base.backend.target(gen):
           plan, _ = gm._plan("gmm", c["rows"], c["k"], c["n"], c["experts"], gm.GmmBlockSizes(), jnp.bfloat16,
                              jnp.bfloat16, jnp.bfloat16, chip=kernels.get_chip(gen))
         r["blocks"] = dict(tm=plan.tm, tk=plan.tk, tn=plan.tn)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -48,8 +47,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 # The module, not the function kernels/__init__.py may export under the same name.
-mm = importlib.import_module("kernels.matmul")
-from kernels.errors import KernelError  # noqa: E402
+from kernels.gemm import api as mm
+from kernels.base.errors import KernelError  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data",
                    "matmul_blocks.json")
@@ -58,7 +57,7 @@ DESCRIPTION = (
     "Default (bm, bk, bn) of kernels.matmul per TPU generation and input dtype, for the tuned problems "
     "[M, K] @ [K, N] (defaults[generation][dtype]: a list of {m, k, n, bm, bk, bn, estimate, xla, ...}). "
     "A call takes the shape class of the tuned problem nearest to it in log2 distance over M, K and N, each "
-    "dimension capped at kernels.matmul.CLASS_CAP (its small dimensions define the class: decode rows, a "
+    "dimension capped at kernels.gemm.api.CLASS_CAP (its small dimensions define the class: decode rows, a "
     "narrow output, or large), then fits those blocks to its own dimensions: each block shrinks to the "
     "smallest legal size that keeps the number of blocks along its dimension (K may take up to two more "
     "when that pads less). Chosen by tools/tune_matmul.py from compiler estimates (libtpu's static cost "
@@ -139,7 +138,7 @@ def estimate_isolated(gen, dtype, m, k, n, blocks=None, libtpu_flags=""):
   cmd = [sys.executable, os.path.abspath(__file__), "--one", gen, jnp.dtype(dtype).name,
          *map(str, (m, k, n, *b))]
   env = dict(os.environ)
-  if libtpu_flags:  # kernels._env keeps these and appends the cost model's flag
+  if libtpu_flags:  # kernels.base.env keeps these and appends the cost model's flag
     env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " " + libtpu_flags).strip()
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -198,7 +197,7 @@ def tune(gen, dtype, m, k, n, log=print, max_evals=40, candidates=None):
 
 def _fits(gen, dtype, m, k, n, blocks) -> bool:
   """True if the kernel's own VMEM plan accepts ``blocks`` on ``gen`` (the check it runs before lowering)."""
-  from kernels.backend import target
+  from kernels.base.backend import target
   p = mm._Problem(m=m, k=k, n=n, batch=(), a_batch=(), b_batch=(), transpose_a=False, transpose_b=False,
                   dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(jnp.bfloat16), has_bias=False, activation=None,
                   dropout_rate=0.0, precision=None, quantized=jnp.dtype(dtype).itemsize == 1)

@@ -2,7 +2,7 @@
 
 Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate**
 (``kernels.estimate_tpu``, libtpu's static cost model), never a measurement, stored with
-:meth:`kernels.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
+:meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
 never less than the program's counted HBM bytes at the published bandwidth); the model's
 own time (``model_us``) and the floor (``floor_us``) stay beside it and are never ranked on.
 
@@ -40,7 +40,6 @@ import concurrent.futures
 import contextlib
 import datetime
 import fcntl
-import importlib
 import itertools
 import json
 import math
@@ -58,9 +57,9 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-nm = importlib.import_module("kernels.norm")
-tiling = importlib.import_module("kernels.tiling")
-traffic = importlib.import_module("kernels.traffic")
+from kernels.norm import api as nm
+from kernels.base import tiling
+from kernels.perf import traffic
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BLOCKS_OUT = os.path.join(DATA, "norm_blocks.json")
@@ -227,7 +226,7 @@ def estimate_isolated(cfg) -> dict:
 
 
 def default_rows(cfg) -> dict:
-  """The rows per block :func:`kernels.norm.layer_norm` picks by default for ``cfg`` on its generation."""
+  """The rows per block :func:`kernels.norm.api.layer_norm` picks by default for ``cfg`` on its generation."""
   tiling.block_table.cache_clear()
   d = nm.default_block_sizes(cfg["generation"], cfg["dtype"], cfg["hidden"], cfg["kind"], cfg["residual"])
   f = nm.fit_block_sizes(d, ROWS, cfg["hidden"], cfg["dtype"], residual=cfg["residual"],
@@ -258,7 +257,7 @@ def pick(estimates: dict[int, float], current: int) -> int:
 
 def _neighbours(rows: int, cfg: dict, backward: bool) -> list[int]:
   """``rows`` and its half and double, those the kernel would really use (no block of fewer than 8 rows,
-  none beyond the array, none that :func:`kernels.norm.fit_block_sizes` would shrink to a smaller one)."""
+  none beyond the array, none that :func:`kernels.norm.api.fit_block_sizes` would shrink to a smaller one)."""
   out = []
   for r in (rows // 2, rows, rows * 2):
     if r < 8 or r > ROWS:
@@ -391,7 +390,7 @@ def _current(r: dict, cfg: dict) -> bool:
 def bench(args):
   table = result_tables.load(BENCH_OUT) or _header("")
   table["description"] = (
-      "kernels.norm against XLA's jnp composition at 8192 rows, bf16: compiler estimates (libtpu's static cost "
+      "kernels.norm.api against XLA's jnp composition at 8192 rows, bf16: compiler estimates (libtpu's static cost "
       "model), not measurements. us is the floored compiler estimate: the cost model's time (model_us), never less "
       "than the program's counted HBM bytes (hbm_bytes) at the published bandwidth (floor_us); fraction_of_roofline "
       "is 'bytes' (what a fused implementation must move through HBM) at the published bandwidth over us. "

@@ -1,7 +1,7 @@
 """Benchmarks kernels.parallel_scan against XLA with the TPU compiler's cost model.
 
 Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost model),
-never a measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is the floored
+never a measurement, stored with :meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the floored
 estimate (the model's time, never less than the program's counted HBM bytes at the published
 bandwidth); the model's own time (``model_us``) and the floor (``floor_us``) stay beside it.
 All into ``kernels/data/parallel_scan_bench.json``:
@@ -27,7 +27,6 @@ resumes. Run it under the shared lock::
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -41,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-ps = importlib.import_module("kernels.parallel_scan")
+from kernels.scan import parallel as ps
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BENCH_OUT = os.path.join(DATA, "parallel_scan_bench.json")
@@ -120,7 +119,7 @@ def estimate(cfg) -> dict:
                    f"its time without them ({us} us) is not stored as one")
   if cfg["impl"] == "ours":
     p = ps._validate(*args[:4], None, cfg.get("segments"), True)
-    with kernels.backend.target(cfg["generation"]):
+    with kernels.base.backend.target(cfg["generation"]):
       plan = ps._plan(p, cfg.get("segments"), True)
     r["plan"] = dict(segments=plan.segments, segment_tokens=plan.s, rows_per_block=plan.lb, chunk=plan.tj)
     r["kernel"] = KERNEL_VERSION
@@ -129,7 +128,7 @@ def estimate(cfg) -> dict:
 
 def _header():
   return {"description": (
-      "kernels.parallel_scan (dense LTI state-space scan, d_in = n = d_out = 256, bf16, f32 state) against XLA: "
+      "kernels.scan.parallel (dense LTI state-space scan, d_in = n = d_out = 256, bf16, f32 state) against XLA: "
       "compiler estimates (libtpu's static cost model), not measurements. us is the floored estimate: the "
       "model's time (model_us), never less than the program's counted HBM bytes (hbm_bytes) at the published "
       "bandwidth (floor_us). the roofline is max(flops / peak bf16 MXU, bytes / HBM bandwidth) of the problem "

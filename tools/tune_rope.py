@@ -2,7 +2,7 @@
 
 Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate**
 (``kernels.estimate_tpu``, libtpu's static cost model), never a measurement, stored with
-:meth:`kernels.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
+:meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
 never less than the program's counted HBM bytes at the published bandwidth).
 
 * ``tune`` -> ``rope_blocks.json``: on v5e and v6e, at ``[8, 4096, 32, 128]`` bf16 without
@@ -26,7 +26,6 @@ Each estimate runs in a child process (the cost model can abort one). Run it und
 from __future__ import annotations
 
 import argparse
-import importlib
 import datetime
 import json
 import os
@@ -40,8 +39,8 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-R = importlib.import_module("kernels.rope")  # noqa: E402  (the module; kernels.rope is the function)
-from kernels.hardware import get_chip  # noqa: E402
+from kernels.attention import rotary as R  # noqa: E402
+from kernels.base.hardware import get_chip  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BLOCKS_OUT = os.path.join(DATA, "rope_blocks.json")
@@ -174,7 +173,7 @@ def tune(args):
 def bench(args):
   table = result_tables.load(BENCH_OUT) or _header("")
   table["description"] = (
-      "kernels.rope against XLA (implementation='xla': the textbook slices in float32, which XLA splits into "
+      "kernels.attention.rotary against XLA (implementation='xla': the textbook slices in float32, which XLA splits into "
       "two passes) and MaxText's formulation (sin and cos computed on the fly from float32 positions, products in "
       "bf16) at [8, 4096, heads, head_dim] bf16, with and without positions (max_position 8192), forward "
       "and forward + backward: compiler estimates (libtpu's static cost model), not measurements. us is the "
@@ -196,7 +195,7 @@ def bench(args):
             r.update(cfg)
             r["kernel"] = KERNEL_VERSION
             if impl == "ours":
-              with kernels.backend.target(gen):
+              with kernels.base.backend.target(gen):
                 r["block_seq"] = R.default_block_sizes(gen, jnp.bfloat16, shape[2], shape[3], shape[1]).block_seq
             results[key] = r
             print(key, r.get("us"), r.get("model_us"), r.get("floor_us"), r.get("error", ""), flush=True)

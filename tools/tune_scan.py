@@ -2,7 +2,7 @@
 
 Two jobs, two files in ``kernels/data/``; every number is a **compiler estimate**
 (``kernels.estimate_tpu``, libtpu's static cost model), never a measurement, stored with
-:meth:`kernels.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
+:meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time, but
 never less than the program's counted HBM bytes at the published bandwidth); the model's
 own time (``model_us``) and the floor (``floor_us``) stay beside it and are never ranked on.
 
@@ -13,7 +13,7 @@ own time (``model_us``) and the floor (``floor_us``) stay beside it and are neve
   ties the smaller VMEM plan wins. v5p and v4 copy v5e's entry (v4 has no cost model; v5p
   was not swept), and say so.
 * ``bench`` -> ``scan_bench.json``: the same shape on v5e and v6e, forward and forward +
-  backward: ours (default blocks), ``lax.scan`` (:func:`kernels.scan.linear_scan_reference`,
+  backward: ours (default blocks), ``lax.scan`` (:func:`kernels.scan.linear.linear_scan_reference`,
   the XLA path) and ``lax.associative_scan`` (f32 pairs), and Griffin's Pallas scan
   (``recurrentgemma.jax.scan``) when that package imports.
 
@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from kernels import scan  # noqa: E402
+from kernels.scan import linear as scan  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BLOCKS_OUT = os.path.join(DATA, "scan_blocks.json")
@@ -210,7 +210,7 @@ def bench(args):
       "never less than the program's counted HBM bytes (hbm_bytes) at the published bandwidth (floor_us); "
       "fraction_of_roofline is 'bytes' (each input read once, each output written once: forward a, b -> h; "
       "forward + backward a, b, dy -> h, da, db) at the published bandwidth over us. lax_scan is "
-      "kernels.scan.linear_scan_reference (the model's cycles of the loop body are multiplied by the trip "
+      "kernels.scan.linear.linear_scan_reference (the model's cycles of the loop body are multiplied by the trip "
       "count); associative_scan is lax.associative_scan of f32 pairs; griffin is recurrentgemma's Pallas scan.")
   results = table.setdefault("results", {})
   for gen in args.generations:
@@ -224,7 +224,7 @@ def bench(args):
         r.update(cfg)
         if impl == "ours":
           r["kernel"] = KERNEL_VERSION
-          with kernels.backend.target(gen):
+          with kernels.base.backend.target(gen):
             d = scan.default_block_sizes(gen, jnp.bfloat16, SHAPE[2])
           r["blocks"] = scan.fit_block_sizes(d, SHAPE[1], SHAPE[2], chip=gen).as_dict()
         results[key] = r

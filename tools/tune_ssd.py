@@ -2,7 +2,7 @@
 TPU compiler's cost model.
 
 Every number is a **compiler estimate** (``kernels.estimate_tpu``, libtpu's static cost model), never a
-measurement, stored with :meth:`kernels.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time,
+measurement, stored with :meth:`kernels.perf.tpu.Estimate.record`: ``us`` is the floored estimate (the model's time,
 never less than the program's counted HBM bytes at the published bandwidth).
 
 The problem is Mamba-2's: batch 1, ``seq`` 8192, 32 heads x 64 head_dim, state 128, one group, bf16 ``x``, ``B``,
@@ -24,7 +24,7 @@ v6e neither fits, and it was extrapolated from 1024 and 2048 tokens (``--affine-
 * ``bench`` -> ``ssd_bench.json``: on v5e and v6e, forward and forward + backward: ours (default blocks; forward +
   backward once with each backward, the Pallas reverse pass ``kernels/_ssd_bwd.py`` and the VJP of the chunked XLA
   algorithm, keys ``ours+pallas_bwd`` / ``ours+xla_bwd`` and field ``backward``) and
-  :func:`kernels.ssd.ssd_chunked_xla` (chunk 128 and 256), with
+  :func:`kernels.scan.chunked.ssd_chunked_xla` (chunk 128 and 256), with
   the roofline on both sides: HBM (``x``, ``B``, ``C`` read once, ``y`` written once) and MXU (the chunked
   algorithm's useful matmul FLOPs at the chip's bf16 peak).
 
@@ -37,7 +37,6 @@ shared lock::
 from __future__ import annotations
 
 import argparse
-import importlib
 import datetime
 import json
 import os
@@ -51,7 +50,7 @@ import kernels  # noqa: E402  (first: enables the cost model before JAX loads li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-ssd = importlib.import_module("kernels.ssd")  # (the module: `kernels.ssd` is the function)
+from kernels.scan import chunked as ssd
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "data")
 BLOCKS_OUT = os.path.join(DATA, "ssd_blocks.json")
@@ -222,7 +221,7 @@ def tune(args):
 def bench(args):
   table = result_tables.load(BENCH_OUT) or _header("")
   table["description"] = (
-      f"kernels.ssd against the plain-JAX chunked SSD (kernels.ssd.ssd_chunked_xla) at {SHAPE}, bf16 x, B, C, f32 "
+      f"kernels.scan.chunked against the plain-JAX chunked SSD (kernels.scan.chunked.ssd_chunked_xla) at {SHAPE}, bf16 x, B, C, f32 "
       "state: compiler estimates (libtpu's static cost model), not measurements, made at estimated_seq tokens "
       "(the full sequence: scale 1), or extrapolated from two slices where a record's `method` says so. us is "
       "the floored estimate: the model's time (model_us), never less than the program's counted HBM bytes at the "
