@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 SPHINX := $(BIN)/python -m sphinx
 SPHINXOPTS ?= -W --keep-going -q
 
-.PHONY: venv docs html-en html-es test test-unit test-notebooks gettext translations-check sync sync-check clean
+.PHONY: venv docs check-math html-en html-es test test-unit test-notebooks gettext translations-check sync sync-check clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -22,6 +22,10 @@ docs: $(STAMP)
 	$(SPHINX) -b html $(SPHINXOPTS) -d _build/doctrees/es -D language=es . _build/html/es
 	$(BIN)/python tools/site.py redirect _build/html
 	@echo "Site built: _build/html/index.html (en/ and es/)"
+
+# Opens built pages in a headless Chromium with the network cut off: every formula must be typeset.
+check-math: $(STAMP)
+	$(BIN)/python tools/site.py check-math _build/html
 
 # Extract messages and merge them into docs/locale/es (then translate the .po files).
 gettext: $(STAMP)

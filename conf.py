@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import importlib.util
 import os
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -101,7 +102,7 @@ myst_heading_anchors = 3
 # cache, so ``make docs`` after ``make test`` does not execute them again.
 nb_execution_mode = "cache"
 nb_execution_cache_path = str(ROOT / "_build" / ".jupyter_cache")
-nb_execution_timeout = 600
+nb_execution_timeout = 3600  # a hang guard, not a speed limit: a slow machine must not fail the build
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 
@@ -261,7 +262,39 @@ def _inside_object_description(node) -> bool:
     return False
 
 
+# -- Math, offline -------------------------------------------------------------
+# MathJax 3 is served from the site itself, not a CDN: a page opened from _build/html on a machine
+# without internet still typesets its formulas (tools/site.py check-math verifies it in a browser).
+# The files come from the sphinx-mathjax-offline package (MathJax 3.2.2); only the combined TeX/CHTML
+# component, its fonts and the TeX extensions it may autoload are copied, not the package's 24 MB.
+mathjax_path = "mathjax/tex-chtml.js"
+_MATHJAX_FILES = ("tex-chtml.js", "output/chtml/fonts/woff-v2", "input/tex/extensions", "ui", "a11y")
+
+
+def _mathjax_source() -> Path:
+    spec = importlib.util.find_spec("sphinx-mathjax-offline")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the docs need the sphinx-mathjax-offline package (pip install -e '.[docs]')")
+    return Path(list(spec.submodule_search_locations)[0]) / "static" / "mathjax"
+
+
+def _copy_mathjax(app, exc):
+    if exc is not None or app.builder.format != "html":
+        return
+    from sphinx.util.fileutil import copy_asset  # noqa: PLC0415
+
+    src = _mathjax_source()
+    for rel in _MATHJAX_FILES:
+        dest = Path(app.outdir) / "_static" / "mathjax" / rel
+        if (src / rel).is_dir():
+            copy_asset(str(src / rel), str(dest))
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, dest)
+
+
 def setup(app):
+    app.connect("build-finished", _copy_mathjax)
     app.connect("config-inited", _set_base_url)
     app.connect("html-page-context", _add_language_links)
     app.connect("html-page-context", _add_notebook_launch_links, priority=600)

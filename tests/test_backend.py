@@ -103,3 +103,23 @@ def test_lowering_for_tpu_gets_the_mosaic_kernel():
   comp = kernels.compile_for_tpu(lambda v: toy.scale_add(v, implementation="xla"),
                                  jax.ShapeDtypeStruct((16, 128), jnp.float32), generation="v5e")
   assert "tpu_custom_call" not in comp.hlo
+
+
+def test_dry_run_runs_the_kernel_in_interpret_mode_and_times_once():
+  """kernels.base.backend.dry_run: implementation=None takes the Pallas kernel (interpret mode) off TPU,
+  and benchmark makes one timed call, so a notebook's TPU-only cell can be rehearsed on a CPU."""
+  import jax.numpy as jnp
+  from kernels.base import backend
+  calls = []
+  run = lambda impl: backend.dispatch(  # noqa: E731
+      "op", jnp.ones(4), pallas=lambda x, interpret: calls.append(("pallas", interpret)) or x,
+      xla=lambda x: calls.append(("xla", None)) or x, implementation=impl)
+  run(None)
+  with backend.dry_run():
+    assert backend.in_dry_run()
+    run(None)
+    run("xla")
+    m = kernels.benchmark(lambda x: x * 2, jnp.ones(4))
+  assert not backend.in_dry_run()
+  assert calls == [("xla", None), ("pallas", True), ("xla", None)]
+  assert len(m.times) == 1

@@ -21,9 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from tests import EXTRA_AOT_GENERATIONS
+from tests import EXTRA_AOT_GENERATIONS, run_program
 
 from kernels.fourier import transforms as kfft
+from kernels.fourier import long_conv
 
 BOUND = {"highest": 3e-6, "high": 3e-5, "bfloat16": 1.5e-2}
 PALLAS = dict(implementation="pallas", interpret=True)
@@ -286,10 +287,10 @@ def test_fft_conv_matches_direct_convolution(causal, batch, with_bias):
   k = rng.standard_normal((c, t)).astype(np.float32)
   bias = rng.standard_normal(c).astype(np.float32) if with_bias else None
   ref = direct_conv(u, k, causal, bias)
-  y = kfft.fft_conv(jnp.asarray(u), jnp.asarray(k), causal=causal, bias=None if bias is None else jnp.asarray(bias),
+  y = long_conv.fft_conv(jnp.asarray(u), jnp.asarray(k), causal=causal, bias=None if bias is None else jnp.asarray(bias),
                     **PALLAS)
   assert y.shape == u.shape and rel(y, ref) < 1e-5
-  assert rel(kfft.fft_conv_reference(u, k, causal=causal, bias=bias), ref) < 1e-5
+  assert rel(long_conv.fft_conv_reference(u, k, causal=causal, bias=bias), ref) < 1e-5
 
 
 def test_fft_conv_gradients():
@@ -298,11 +299,11 @@ def test_fft_conv_gradients():
   k = jnp.asarray(rng.standard_normal((2, 12)).astype(np.float32))
   bias = jnp.asarray(rng.standard_normal(2).astype(np.float32))
   ct = jnp.asarray(rng.standard_normal((2, 2, 12)).astype(np.float32))
-  ours = jax.vjp(lambda u, k, b: kfft.fft_conv(u, k, bias=b, **PALLAS), u, k, bias)[1](ct)
-  ref = jax.vjp(lambda u, k, b: kfft.fft_conv_reference(u, k, bias=b), u, k, bias)[1](ct)
+  ours = jax.vjp(lambda u, k, b: long_conv.fft_conv(u, k, bias=b, **PALLAS), u, k, bias)[1](ct)
+  ref = jax.vjp(lambda u, k, b: long_conv.fft_conv_reference(u, k, bias=b), u, k, bias)[1](ct)
   for a, b in zip(ours, ref):
     assert rel(a, b) < 1e-5
-  jax.test_util.check_grads(lambda u, k: kfft.fft_conv(u, k, **PALLAS), (u, k), order=1, modes=("rev",),
+  jax.test_util.check_grads(lambda u, k: long_conv.fft_conv(u, k, **PALLAS), (u, k), order=1, modes=("rev",),
                             atol=1e-2, rtol=1e-2)
 
 
@@ -341,14 +342,14 @@ def test_fused_fft_conv_matches_direct_convolution_and_gradients(b, c, t, causal
   k = jnp.asarray(rng.standard_normal((c, t)), dtype)
   bias = jnp.asarray(rng.standard_normal(c), dtype) if with_bias else None
   dy = jnp.asarray(rng.standard_normal((b, c, t)), jnp.float32)
-  f = lambda u, k, bias: kfft.fft_conv(u, k, causal=causal, bias=bias, **PALLAS)  # noqa: E731
+  f = lambda u, k, bias: long_conv.fft_conv(u, k, causal=causal, bias=bias, **PALLAS)  # noqa: E731
   assert _pallas_names(lambda u, k: f(u, k, bias), u, k) == ["fft_conv"]  # one fused kernel, nothing composed
   y, vjp = jax.vjp(f, u, k, bias)
   un, kn = np.asarray(u, np.float64), np.asarray(k, np.float64)
   assert y.shape == u.shape and y.dtype == jnp.float32
   assert rel(y, direct_conv(un, kn, causal, None if bias is None else np.asarray(bias, np.float64))) < 2e-6
   ours = vjp(dy)
-  ref = jax.vjp(lambda u, k, bias: kfft.fft_conv_reference(u.astype(jnp.float32), k.astype(jnp.float32),
+  ref = jax.vjp(lambda u, k, bias: long_conv.fft_conv_reference(u.astype(jnp.float32), k.astype(jnp.float32),
                                                            causal=causal, bias=bias), u, k, bias)[1](dy)
   bound = 2e-6 if dtype == np.float32 else 1e-2  # bf16 gradients are rounded to bf16
   for name, a, r in zip(("du", "dk", "dbias"), ours, ref):
@@ -362,9 +363,9 @@ def test_fused_fft_conv_backward_is_one_kernel_and_check_grads():
   rng = np.random.default_rng(7)
   u = jnp.asarray(rng.standard_normal((2, 2, 384)).astype(np.float32))
   k = jnp.asarray(rng.standard_normal((2, 384)).astype(np.float32) / 20)
-  grad = lambda u, k: jax.grad(lambda u, k: kfft.fft_conv(u, k, **PALLAS).sum(), (0, 1))(u, k)  # noqa: E731
+  grad = lambda u, k: jax.grad(lambda u, k: long_conv.fft_conv(u, k, **PALLAS).sum(), (0, 1))(u, k)  # noqa: E731
   assert sorted(_pallas_names(grad, u, k)) == ["fft_conv", "fft_conv_bwd"]
-  jax.test_util.check_grads(lambda u, k: kfft.fft_conv(u, k, **PALLAS), (u, k), order=1, modes=("rev",),
+  jax.test_util.check_grads(lambda u, k: long_conv.fft_conv(u, k, **PALLAS), (u, k), order=1, modes=("rev",),
                             atol=1e-2, rtol=1e-2)
 
 
@@ -377,11 +378,11 @@ def test_fused_fft_conv_no_races_on_two_cores():
   u = jnp.asarray(rng.standard_normal((4, 10, 384)).astype(np.float32))
   k = jnp.asarray(rng.standard_normal((10, 384)).astype(np.float32))
   ip = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
-  y, vjp = jax.vjp(lambda u, k: kfft.fft_conv(u, k, implementation="pallas", interpret=ip), u, k)
+  y, vjp = jax.vjp(lambda u, k: long_conv.fft_conv(u, k, implementation="pallas", interpret=ip), u, k)
   assert ipc.races is not None and not ipc.races.races_found
   du, dk = vjp(y)
   assert ipc.races is not None and not ipc.races.races_found
-  ref_du, ref_dk = jax.vjp(lambda u, k: kfft.fft_conv_reference(u, k), u, k)[1](y)
+  ref_du, ref_dk = jax.vjp(lambda u, k: long_conv.fft_conv_reference(u, k), u, k)[1](y)
   assert rel(du, ref_du) < 2e-6 and rel(dk, ref_dk) < 2e-6
 
 
@@ -397,10 +398,10 @@ def test_fused_fft_conv_256_wide_rows_for_v6e(causal):
   k = jnp.asarray(rng.standard_normal((2, 2048)).astype(np.float32))
   dy = jnp.asarray(rng.standard_normal((2, 2, 2048)).astype(np.float32))
   with target("v6e"):
-    y, vjp = jax.vjp(lambda u, k: kfft.fft_conv(u, k, causal=causal, **PALLAS), u, k)
+    y, vjp = jax.vjp(lambda u, k: long_conv.fft_conv(u, k, causal=causal, **PALLAS), u, k)
     grads = vjp(dy)
   assert rel(y, direct_conv(np.asarray(u, np.float64), np.asarray(k, np.float64), causal, None)) < 2e-6
-  ref = jax.vjp(lambda u, k: kfft.fft_conv_reference(u, k, causal=causal), u, k)[1](dy)
+  ref = jax.vjp(lambda u, k: long_conv.fft_conv_reference(u, k, causal=causal), u, k)[1](dy)
   for a, r in zip(grads, ref):
     assert rel(a, r) < 2e-6
 
@@ -410,15 +411,15 @@ def test_fused_fft_conv_precisions(precision):
   rng = np.random.default_rng(3)
   u = rng.standard_normal((2, 2, 1024)).astype(np.float32)  # the stacked left matmuls
   k = rng.standard_normal((2, 1024)).astype(np.float32)
-  y = kfft.fft_conv(jnp.asarray(u), jnp.asarray(k), precision=precision, **PALLAS)
+  y = long_conv.fft_conv(jnp.asarray(u), jnp.asarray(k), precision=precision, **PALLAS)
   assert rel(y, direct_conv(u.astype(np.float64), k.astype(np.float64), True, None)) < BOUND[precision]
 
 
 def test_fft_conv_bad_input():
   u, k = jnp.zeros((2, 3, 16)), jnp.zeros((3, 16))
-  for case in (lambda: kfft.fft_conv(u, k[:2]), lambda: kfft.fft_conv(u[0], k),
-               lambda: kfft.fft_conv(u, k, bias=jnp.zeros(4)), lambda: kfft.fft_conv(u.astype(jnp.complex64), k),
-               lambda: kfft.fft_conv(u, k, causal=1)):
+  for case in (lambda: long_conv.fft_conv(u, k[:2]), lambda: long_conv.fft_conv(u[0], k),
+               lambda: long_conv.fft_conv(u, k, bias=jnp.zeros(4)), lambda: long_conv.fft_conv(u.astype(jnp.complex64), k),
+               lambda: long_conv.fft_conv(u, k, causal=1)):
     with pytest.raises(kernels.KernelError):
       case()
 
@@ -428,6 +429,7 @@ def test_fft_conv_bad_input():
 _AOT_PROGRAMS = """
 import sys, importlib, jax, jax.numpy as jnp, kernels
 from kernels.fourier import transforms as kfft
+from kernels.fourier import long_conv
 gen, which, f32, sds = sys.argv[1], sys.argv[2], jnp.float32, jax.ShapeDtypeStruct
 P = dict(implementation="pallas", interpret=False)
 
@@ -447,7 +449,7 @@ if which == "bench":  # the benchmark configurations: [1024, 4096] (two precisio
     check(fwd_bwd(4096, precision, 1024))
   u, k = sds((8, 768, 8192), f32), sds((768, 8192), f32)
   def conv(u, k, dy):
-    y, vjp = jax.vjp(lambda u, k: kfft.fft_conv(u, k, **P), u, k)
+    y, vjp = jax.vjp(lambda u, k: long_conv.fft_conv(u, k, **P), u, k)
     return y, vjp(dy)
   check(kernels.compile_for_tpu(conv, u, k, u, generation=gen), 2)  # the fused forward, the backward
 elif which == "paths":  # each kernel path: one stage, two stages (odd S, unrolled; S > 128, looped), bf16x3, [16, 65536]
@@ -457,7 +459,7 @@ else:  # fused fft_conv: S = 6 (odd batch, bias, channels not a multiple of 8), 
   for (b, c, t), causal, dtype, precision in (((3, 10, 384), True, f32, "highest"), ((2, 8, 2048), False, f32, "highest"),
                                               ((2, 8, 4096), True, jnp.bfloat16, "high")):
     def conv(u, k, bias, dy):
-      y, vjp = jax.vjp(lambda u, k, bias: kfft.fft_conv(u, k, bias=bias, causal=causal, precision=precision, **P),
+      y, vjp = jax.vjp(lambda u, k, bias: long_conv.fft_conv(u, k, bias=bias, causal=causal, precision=precision, **P),
                        u, k, bias)
       return y, vjp(dy)
     check(kernels.compile_for_tpu(conv, sds((b, c, t), dtype), sds((c, t), dtype), sds((c,), dtype),
@@ -471,9 +473,31 @@ print("ok")
     (g, which) for which in ("paths", "conv") for g in EXTRA_AOT_GENERATIONS])  # the plans differ in rows only
 def test_aot_compiles_forward_and_backward(generation, which):
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAMS, generation, which], capture_output=True, text=True,
-                        timeout=900, env=env)
+  proc = run_program(_AOT_PROGRAMS, generation, which, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# --- issue 55: inputs no earlier test drew --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(128, 3), (512, 3)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_bfloat16_precision_along_a_leading_axis_under_jit(shape, inverse):
+  """XLA:CPU has no bf16 x bf16 -> f32 dot for this layout ("Unsupported element type for DotThunk"):
+  in interpret mode the kernel widens its bf16 pieces to f32, which gives the same products."""
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+  fn, ref = (kernels.ifft, np.fft.ifft) if inverse else (kernels.fft, np.fft.fft)
+  y = np.asarray(jax.jit(lambda x: fn(x, axis=0, precision="bfloat16", implementation="pallas",
+                                      interpret=True))(x))
+  want = ref(x.astype(np.complex128), axis=0)
+  assert np.abs(y - want).max() / np.abs(want).max() < 1e-2  # one bf16 pass
+
+
+@pytest.mark.parametrize("fn", ["rfft", "irfft", "fft", "ifft"])
+def test_unsupported_length_names_the_length_and_the_function(fn):
+  x = jnp.ones((2, 64), jnp.complex64 if fn in ("irfft", "ifft") else jnp.float32)
+  with pytest.raises(kernels.NoImplementationError, match=rf"^{fn}: no implementation fits at n=1031 ") as e:
+    getattr(kernels, fn)(x, n=1031, implementation="pallas", interpret=True)
+  assert e.value.argument == "n" and e.value.value == 1031

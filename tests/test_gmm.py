@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from tests import run_program
 from kernels.experts import grouped_kernels as K
 from kernels.base.errors import KernelError, TilingError
 
@@ -406,9 +407,6 @@ print("ok")
 @pytest.mark.parametrize("generation", kernels.TPU_GENERATIONS)
 def test_aot_compiles_forward_and_backward(generation):
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAMS, generation], capture_output=True, text=True,
-                        timeout=600, env=env)
+  proc = run_program(_AOT_PROGRAMS, generation, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -16,6 +16,7 @@ import pathlib
 import pytest
 
 import kernels
+from tests import run_program
 
 PKG = pathlib.Path(kernels.__file__).parent
 FAMILIES = ("gemm", "norm", "attention", "scan", "fourier", "conv", "experts")
@@ -126,9 +127,6 @@ def test_public_names_resolve():
 
 
 def test_distributed_is_reachable_after_import_kernels():
-  import subprocess
-  import sys
-  out = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.distributed.ring_attention.__name__)"],
-                       capture_output=True, text=True, timeout=600)
+  out = run_program("import kernels; print(kernels.distributed.ring_attention.__name__)")
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "ring_attention"

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from tests import run_program
 from kernels.experts.layer import Routing, expert_capacity, moe_reference
 from kernels.experts.layer import moe as moe_eager
 from kernels.experts.layer import route as route_eager
@@ -534,9 +535,6 @@ def test_aot_compiles_benchmark_shapes(generation, case):
 
 def _aot(generation, which):
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAM, generation, which], capture_output=True, text=True,
-                        timeout=1200, env=env)
+  proc = run_program(_AOT_PROGRAM, generation, which, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

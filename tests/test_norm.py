@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels
+from tests import run_program
 from kernels.norm.api import BlockSizes, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
 from kernels.norm import api as nm
@@ -589,11 +590,8 @@ def test_aot_compiles_benchmark_configurations(generation):
   # as in every compiler estimate, XLA once staged dx in VMEM and ran out of it; see _pallas_backward.
   # Checking that here took 2 minutes and 11 GB per generation.)
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")  # (the cost model took 2 minutes and 11 GB here)
-  proc = subprocess.run([sys.executable, "-c", _BENCHMARK_PROGRAMS, generation], capture_output=True, text=True,
-                        timeout=1200, env=env)
+  proc = run_program(_BENCHMARK_PROGRAMS, generation, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import functools
 
 import kernels
+from tests import run_program
 from kernels import parallel_scan, parallel_scan_reference
 
 from kernels.scan import parallel as ps
@@ -271,10 +272,8 @@ print("ok")
 def _run(program, *argv):
   # In a fresh process without the cost model's flags (a static profile makes big compiles slow).
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True, text=True, timeout=600, env=env)
+  proc = run_program(program, *argv, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
   return proc.stdout
 

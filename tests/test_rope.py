@@ -98,11 +98,52 @@ def test_large_positions_keep_their_angle():
   assert f32_error > 1e-4  # the float32 product's rounding: such a table would fail the tolerance above
 
 
-def test_position_outside_the_table_is_nan_not_wrong():
-  x = rand((1, 8, 2, 64))
-  pos = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, 64]])
-  got = np.asarray(run(x, pos, max_position=64))
-  assert np.isnan(got[0, 7, :, :]).all() and np.isfinite(got[0, :7]).all()
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_decode_positions_past_the_sequence_turn_by_their_own_angle(implementation):
+  """Issue 55: one decode step at position 1000, and 37 tokens at 5 .. 41, gave NaN (the table had seq rows)."""
+  kw = dict(implementation=implementation, interpret=True if implementation == "pallas" else None)
+  x = rand((1, 1, 2, 128), seed=5)
+  pos = jnp.asarray([[1000]])
+  got = rope(x, pos, **kw)
+  assert np.isfinite(np.asarray(got)).all()
+  close(got, oracle(x, pos), jnp.float32)
+  x37 = rand((1, 37, 2, 128), seed=6)
+  pos37 = jnp.arange(37)[None] + 5
+  close(rope(x37, pos37, **kw), oracle(x37, pos37), jnp.float32)
+  close(rope_reference(x37, pos37), oracle(x37, pos37), jnp.float32)
+  # under jit, where the positions cannot be read
+  close(jax.jit(lambda x, p: rope(x, p, **kw))(x37, pos37), oracle(x37, pos37), jnp.float32)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_negative_and_extreme_positions_never_borrow_another_angle(implementation):
+  """Issue 55: position -1 with max_position=16 rotated as position 15. Now a negative position turns
+  backwards by its own angle, and every int32 keeps its float64 angle within a few ulp."""
+  kw = dict(implementation=implementation, interpret=True if implementation == "pallas" else None)
+  x = rand((1, 8, 1, 128), seed=7)
+  pos = jnp.asarray([[0, 1, 2, -1, -1000, 2**31 - 1, -(2**31), 123_456_789]], jnp.int32)
+  got = rope(x, pos, **kw)
+  close(got, oracle(x, pos), jnp.float32)
+  as15 = rope(x, jnp.full((1, 8), 15), **kw)
+  assert not np.allclose(np.asarray(got[0, 3]), np.asarray(as15[0, 3]))
+  # a position and its negative: the same cos, the opposite sin, so rotating back recovers x
+  back = rope(rope(x, pos, **kw), -pos, **kw)
+  np.testing.assert_allclose(np.asarray(back[0, :5]), np.asarray(x[0, :5]), atol=1e-5)
+
+
+def test_positions_outside_max_position_are_a_kernel_error_when_concrete():
+  x = rand((1, 4, 2, 64))
+  for bad in ([[0, 1, 2, 16]], [[0, 1, 2, -1]]):
+    with pytest.raises(kernels.KernelError, match=r"positions.*\[0, max_position=16\)"):
+      rope(x, jnp.asarray(bad), max_position=16)
+    with pytest.raises(kernels.KernelError, match="positions"):
+      rope_reference(x, jnp.asarray(bad), max_position=16)
+  # traced: not checkable, and still the position's own angle, never NaN
+  pos = jnp.asarray([[0, 1, 2, 16]])
+  got = jax.jit(lambda x, p: rope(x, p, max_position=16, implementation="pallas", interpret=True))(x, pos)
+  close(got, oracle(x, pos), jnp.float32)
+  with pytest.raises(kernels.KernelError, match="int32"):
+    rope(x, np.asarray([[0, 1, 2, 2**40]], np.int64))
 
 
 def test_scaling_linear_and_llama3():

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels
+from tests import run_program
 from kernels.scan import linear as scan
 from kernels.scan.linear import BlockSizes, linear_scan, linear_scan_reference
 
@@ -398,9 +399,6 @@ def test_aot_compiles_forward_and_backward(generation):
   # In a fresh process without the cost model's flags: with them, libtpu's static profile of the
   # benchmark shape (hundreds of grid steps) made its compile 50 s instead of 2 on v5e.
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAMS, generation], capture_output=True, text=True,
-                        timeout=600, env=env)
+  proc = run_program(_AOT_PROGRAMS, generation, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -507,3 +509,47 @@ def test_update_merges_and_drops_obsolete_and_orphaned_catalogs(catalogs):
     assert catalog["Run `make docs`, then read {doc}`the guide <docs/guide>`."].string == ""
     problems = i18n_tool.catalog_problems(pot_dir, locale_dir)
     assert len(problems) == 1 and "untranslated" in problems[0]
+
+
+# --- math typeset offline (issue 55): conf.py ships MathJax with the site, checked in a real browser ---
+
+def _browser():
+  browser = site_tool.find_browser()
+  if browser is None:
+    if os.environ.get("CI"):
+      pytest.fail("CI has no headless browser: .ci/run installs chromium-headless-shell")
+    pytest.skip("no headless Chromium on PATH (apt-get install chromium-headless-shell)")
+  return browser
+
+
+def _page_with_math(directory: Path, script_src: str) -> Path:
+  page = directory / "page.html"
+  page.write_text(f'<html><head><script defer src="{script_src}"></script></head><body>'
+                  '<div class="math notranslate nohighlight">\\[h_t = a_t \\odot h_{t-1} + b_t,\\]</div>'
+                  '<p>and <span class="math notranslate nohighlight">\\(\\mathbb{R}^{d}\\)</span></p></body></html>')
+  return page
+
+
+def test_site_mathjax_typesets_offline_in_a_browser(tmp_path):
+  """The files conf.py copies into _static typeset display and inline math with the network cut off."""
+  browser = _browser()
+  conf = _load("site_conf", ROOT / "conf.py")
+  src = conf._mathjax_source()
+  static = tmp_path / "_static"
+  for rel in conf._MATHJAX_FILES:  # what _copy_mathjax copies, from the same package
+    dest = static / "mathjax" / rel
+    if (src / rel).is_dir():
+      shutil.copytree(src / rel, dest)
+    else:
+      dest.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(src / rel, dest)
+  page = _page_with_math(tmp_path, "_static/" + conf.mathjax_path)
+  assert site_tool.math_problems(site_tool.rendered_dom(page, browser)) == (2, [])
+
+
+def test_math_check_fails_when_mathjax_comes_from_a_cdn(tmp_path):
+  """The check's browser has no network: MathJax from a CDN leaves the TeX raw, and the check says so."""
+  browser = _browser()
+  page = _page_with_math(tmp_path, "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js")
+  n, raw = site_tool.math_problems(site_tool.rendered_dom(page, browser, wait_ms=5000))
+  assert n == 2 and len(raw) == 2 and raw[0].startswith("\\[h_t")

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from tests import run_program
 from kernels.scan.chunked import BlockSizes, gated_linear_attention, gated_linear_attention_reference, ssd, ssd_chunked_xla, \
     ssd_reference
 
@@ -382,11 +383,8 @@ print("ok")
 def test_aot_compiles_forward_and_backward(generation):
   # in a fresh process without the cost model's flags (as tests/test_scan.py does)
   import os
-  import subprocess
-  import sys
   env = dict(os.environ, KERNELS_STATIC_PROFILE="0")
-  proc = subprocess.run([sys.executable, "-c", _AOT_PROGRAMS, generation], capture_output=True, text=True,
-                        timeout=900, env=env)
+  proc = run_program(_AOT_PROGRAMS, generation, env=env)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -41,7 +41,10 @@ import argparse
 import hashlib
 import html
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import tomllib
 from typing import NamedTuple
 from pathlib import Path
@@ -485,6 +488,64 @@ def _rel(path: Path, root: Path = ROOT) -> str:
         return str(path)
 
 
+# --- math typeset offline, checked in a real browser -------------------------------------
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+MATH_PAGES = ("docs/methodology.html", "notebooks/scan.html")  # pages with display and inline math
+
+
+def find_browser() -> str | None:
+    """A headless Chromium on PATH (Debian's ``chromium-headless-shell`` or ``chromium``), or None."""
+    return next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+
+
+def rendered_dom(page: Path, browser: str, wait_ms: int = 20000) -> str:
+    """The page's DOM after its scripts ran, in headless Chromium with every network request sent to a
+    dead proxy: a formula typeset here was typeset from the site's own files, as on a machine offline."""
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+             "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=<-loopback>",
+             "--allow-file-access-from-files", f"--virtual-time-budget={wait_ms}", "--dump-dom",
+             page.resolve().as_uri()],
+            capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 or "<html" not in out.stdout:
+        raise RuntimeError(f"{browser} could not render {page}: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+_MATH = re.compile(r'<(div|span) class="math[^"]*"[^>]*>(.*?)</\1>', re.S)
+
+
+def math_problems(dom: str) -> tuple[int, list[str]]:
+    """(formulas found, those left as raw TeX): MathJax replaces each formula's TeX by an ``mjx-container``."""
+    found = _MATH.findall(dom)
+    raw = [body.strip()[:80] for _, body in found if "<mjx-container" not in body]
+    return len(found), raw
+
+
+def check_math(site: Path, languages=("en", "es"), pages=MATH_PAGES) -> list[str]:
+    browser = find_browser()
+    if browser is None:
+        return [f"no headless browser on PATH (one of {', '.join(BROWSERS)}; Debian: apt-get install "
+                "chromium-headless-shell)"]
+    problems = []
+    for lang in languages:
+        for rel in pages:
+            page = site / lang / rel
+            if not page.is_file():
+                problems.append(f"{page}: missing (build the site first: make docs)")
+                continue
+            n, raw = math_problems(rendered_dom(page, browser))
+            if n == 0:
+                problems.append(f"{page}: no formula found (the check would prove nothing)")
+            elif raw:
+                problems.append(f"{page}: {len(raw)} of {n} formulas not typeset, e.g. {raw[0]!r}")
+            else:
+                print(f"{page.relative_to(site)}: {n} formulas typeset offline")
+    return problems
+
+
 # --- command line -------------------------------------------------------------------
 
 
@@ -494,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("redirect", help="write DIR/index.html redirecting to en/index.html")
     p.add_argument("directory", type=Path)
     p.add_argument("--language", default=DEFAULT_LANGUAGE)
+    p = sub.add_parser("check-math", help="fail unless the built site's formulas typeset in a headless browser, offline")
+    p.add_argument("directory", type=Path, help="the built site (_build/html)")
     for name, text in (("sync", "write pyproject's repository URL into the sources, README's table of "
                                 "notebooks and the paired .ipynb of every notebooks/*.md"),
                        ("sync-check", "fail if anything `sync` writes is stale or index.md leaves out a notebook")):
@@ -504,6 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "redirect":
         print(f"wrote {write_redirect(args.directory, args.language)}")
         return 0
+    if args.command == "check-math":
+        problems = check_math(args.directory)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 1 if problems else 0
     notebooks = Project.load(args.root).notebooks
     if args.command == "sync":
         written = sync_all(args.root)

@@ -43,10 +43,19 @@ table rows ``[block_seq, head_dim]`` broadcast across them.
 
 *Positions.* Without ``positions`` (``0 .. seq - 1``) the table rows are the blocks of
 the table itself; the grid is ``(seq blocks, batch)`` with batch innermost, so a block
-of table rows is fetched once for all the batch. With ``positions``, XLA gathers the
-rows first (``[batch, seq, head_dim]`` twice in float32: per token, ``8 head_dim``
+of table rows is fetched once for all the batch. With ``positions``, any int32 position
+turns by its own angle, whatever ``seq``: a decode step at position 100,000 of a
+one-token ``x`` is the normal case. The position is written in base 256 (four digits
+cover every int32), each digit ``d`` at place ``256**l`` looks up the float64-built cos
+and signed sin of ``d * 256**l * inv_freq`` in a ``[4, 256, head_dim]`` table, and the
+angle addition formulas (:func:`compose_rows`'s) sum the four angles in float32, a few
+ulp from the float64 angle. A negative position turns by the negative angle (cos alike,
+sin negated), never by another position's. XLA does the lookups and the sums, then hands
+the kernel ``[batch, seq, head_dim]`` rows twice in float32: per token, ``8 head_dim``
 bytes against the ``4 heads head_dim`` bytes of bf16 ``x`` in and out, so ``2 / heads``
-more traffic). Positions outside the table give NaN, never a silently wrong angle.
+more traffic. ``max_position`` is a promise about the positions: concrete positions
+outside ``[0, max_position)`` raise :class:`~kernels.base.errors.KernelError`; under
+``jit`` they cannot be read, and still get their own angle.
 
 *Lane-sparse heads.* With ``head_dim`` below or not a multiple of 128, the layout a Pallas
 call needs for ``[batch, seq, heads, head_dim]`` pads every head to 128 lanes (and few heads
@@ -169,6 +178,35 @@ def _table(max_position, head_dim, rotary_dim, theta, interleaved, scaling, dtyp
   return cos.astype(dtype_name), sin.astype(dtype_name)
 
 
+_DIGITS, _BASE = 4, 256  # positions in base 256: four digits cover every int32
+
+
+@functools.lru_cache(maxsize=32)
+def _digit_table(head_dim, rotary_dim, theta, interleaved, scaling):
+  """cos and signed sin of ``d * 256**l * inv_freq`` for digit ``d`` at place ``l``: ``[4, 256, head_dim]`` each."""
+  freq, sign = _feature_layout(head_dim, rotary_dim, interleaved)
+  place = float(_BASE) ** np.arange(_DIGITS)
+  pos = place[:, None] * np.arange(_BASE, dtype=np.float64)[None, :]  # [4, 256], exact in float64
+  angle = pos[..., None] * _inv_freq(rotary_dim, theta, scaling)[None, None, :]
+  angle = angle[..., np.maximum(freq, 0)]
+  cos = np.where(freq >= 0, np.cos(angle), 1.0)
+  return cos.astype(np.float32), (np.sin(angle) * sign).astype(np.float32)
+
+
+def _position_rows(positions, head_dim, rotary_dim, theta, interleaved, scaling):
+  """cos and signed sin rows ``[batch, seq, head_dim]`` (float32) of each token's own position (see the module doc)."""
+  cos_t, sin_t = _digit_table(head_dim, rotary_dim, theta, interleaved, scaling)
+  pos = positions.astype(jnp.int32)
+  mag = jnp.abs(pos).astype(jnp.uint32)  # |-2**31| wraps to 2**31 in uint32, as wanted
+  cos = sin = None
+  for place in range(_DIGITS):
+    digit = ((mag >> (8 * place)) & (_BASE - 1)).astype(jnp.int32)
+    c = jnp.take(jnp.asarray(cos_t[place]), digit, axis=0, mode="clip")
+    s = jnp.take(jnp.asarray(sin_t[place]), digit, axis=0, mode="clip")
+    cos, sin = (c, s) if cos is None else (cos * c - sin * s, sin * c + cos * s)
+  return cos, jnp.where((pos < 0)[..., None], -sin, sin)
+
+
 def rope_table(max_position: int, head_dim: int, *, rotary_dim: int | None = None, theta: float = 10000.0,
                interleaved: bool = False, scaling=None, dtype=jnp.float32) -> tuple[np.ndarray, np.ndarray]:
   """The cached ``(cos, signed sin)`` tables, ``[max_position, head_dim]`` each (see the module doc).
@@ -205,8 +243,8 @@ class RotaryEmbedding:
   """A rotary embedding configuration, to fuse into :func:`kernels.flash_attention` (``rope=``).
 
   The fields are :func:`rope`'s options: ``theta``, ``rotary_dim`` (None: all of ``head_dim``),
-  ``interleaved``, ``scaling`` and ``max_position`` (None: no bound; else positions must stay
-  below it). Calling it, ``RotaryEmbedding(...)(x)``, runs the standalone :func:`rope` kernel
+  ``interleaved``, ``scaling`` and ``max_position`` (None: no bound; else positions are promised to
+  stay below it, and checked where they are concrete). Calling it, ``RotaryEmbedding(...)(x)``, runs the standalone :func:`rope` kernel
   with these options (positions ``0 .. seq - 1`` unless given).
   """
 
@@ -261,20 +299,37 @@ def _validate(x, positions, rotary_dim, theta, scaling, max_position):
     check(hasattr(positions, "shape") and tuple(positions.shape) == (b, s), "positions", positions,
           f"must be [batch, seq] = {[b, s]}")
     check(jnp.issubdtype(positions.dtype, jnp.integer), "positions", positions, "must be an integer array")
+    if jnp.dtype(positions.dtype).itemsize > 4 or jnp.dtype(positions.dtype) == jnp.uint32:
+      _check_concrete_range(positions, -2**31, 2**31, "int32's range")
   if max_position is not None:
     check(isinstance(max_position, (int, np.integer)) and max_position >= 1, "max_position", max_position,
           "must be a positive int")
     check(positions is not None or max_position >= s, "max_position", max_position,
           f"must be at least seq = {s} when positions is None")
+    if positions is not None:
+      _check_concrete_range(positions, 0, int(max_position), f"[0, max_position={int(max_position)})")
   return _Problem(b, s, h, d, rotary_dim, jnp.dtype(x.dtype)), scaling
 
 
-def _rows(x_rows, positions, table):
-  """The table rows for each token: the table's first ``seq`` rows, or gathered by position (NaN outside)."""
-  t = jnp.asarray(table)
+def _check_concrete_range(positions, lo: int, hi: int, what: str):
+  """Concrete positions (not traced under ``jit``) must lie in ``[lo, hi)``."""
+  try:
+    v = np.asarray(positions)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced under jit: not readable here
+  if v.size:
+    bad = v[(v < lo) | (v >= hi)]
+    if bad.size:
+      check(False, "positions", positions, f"must lie in {what}; {bad.size} do not (e.g. {bad.flat[0]})")
+
+
+def _cos_sin(p: "_Problem", positions, theta, interleaved, scaling, max_position):
+  """The cos and signed sin rows of every token: the table's first ``seq`` rows, or each position's own."""
   if positions is None:
-    return t[:x_rows]
-  return jnp.take(t, positions, axis=0, mode="fill", fill_value=jnp.nan)
+    cos, sin = rope_table(max_position or p.seq, p.head_dim, rotary_dim=p.rotary_dim, theta=theta,
+                          interleaved=interleaved, scaling=scaling)
+    return jnp.asarray(cos[:p.seq]), jnp.asarray(sin[:p.seq])
+  return _position_rows(positions, p.head_dim, p.rotary_dim, float(theta), bool(interleaved), scaling)
 
 
 def _partner(x, rotary_dim: int, interleaved: bool):
@@ -306,10 +361,8 @@ def rope_reference(x, positions=None, *, theta=10000.0, rotary_dim=None, interle
                    max_position=None):
   """RoPE in plain JAX, in float32 (the result in ``x``'s dtype): the textbook slices and concatenations."""
   p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position)
-  cos, sin = rope_table(max_position or p.seq, p.head_dim, rotary_dim=p.rotary_dim, theta=theta,
-                        interleaved=interleaved, scaling=scaling)
-  return _rotate_xla(x, _rows(p.seq, positions, cos), _rows(p.seq, positions, sin), rotary_dim=p.rotary_dim,
-                     interleaved=interleaved)
+  cos, sin = _cos_sin(p, positions, theta, interleaved, scaling, max_position)
+  return _rotate_xla(x, cos, sin, rotary_dim=p.rotary_dim, interleaved=interleaved)
 
 
 def rotate_tile(x, cos, sin, *, rotary_dim: int, interleaved: bool, inverse: bool = False):
@@ -432,13 +485,15 @@ def rope(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False
 
   Args:
     x: queries or keys, float32 or bfloat16 (other floats run on the XLA path).
-    positions: ``[batch, seq]`` integer positions; None for ``0 .. seq - 1``.
+    positions: ``[batch, seq]`` integer positions, any int32 (past ``seq`` for a decode step, offset
+      for a packed batch; negative ones turn backwards); None for ``0 .. seq - 1``.
     theta: the base of the frequencies, ``inv_freq_i = theta ** (-2 i / rotary_dim)``.
     rotary_dim: how many leading features rotate (even); None for all of ``head_dim``.
     interleaved: pairs ``(2 i, 2 i + 1)`` (GPT-J) instead of ``(i, i + rotary_dim / 2)`` (GPT-NeoX, Llama).
     scaling: None; a number (linear position interpolation); or a :class:`RopeScaling`.
-    max_position: rows of the sin/cos table (:func:`rope_table`); None for ``seq``. With
-      ``positions``, a position at or beyond it yields NaN.
+    max_position: None, or a bound the positions promise to stay below: with concrete
+      ``positions``, one outside ``[0, max_position)`` raises :class:`~kernels.base.errors.KernelError`
+      (traced ones cannot be read, and turn by their own angle). Without ``positions``, at least ``seq``.
     block_sizes: a :class:`BlockSizes` or tokens per block; None for the per-generation default.
     implementation, interpret: see :func:`kernels.dispatch`.
 
@@ -451,10 +506,7 @@ def rope(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False
   """
   p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position)
   blocks = _check_blocks(block_sizes)
-  size = max_position or p.seq
-  cos_t, sin_t = rope_table(size, p.head_dim, rotary_dim=p.rotary_dim, theta=theta, interleaved=interleaved,
-                            scaling=scaling)
-  cos, sin = _rows(p.seq, positions, cos_t), _rows(p.seq, positions, sin_t)
+  cos, sin = _cos_sin(p, positions, theta, interleaved, scaling, max_position)
   return dispatch(
       "rope", x, cos, sin,
       pallas=lambda x, cos, sin, interpret: _pallas_entry(x, cos, sin, p=p, interleaved=interleaved,

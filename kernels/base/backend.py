@@ -36,6 +36,7 @@ from kernels.base.hardware import Chip, get_chip
 IMPLEMENTATIONS = (None, "pallas", "xla")
 
 _target: contextvars.ContextVar[Chip | None] = contextvars.ContextVar("kernels_target_chip", default=None)
+_dry_run: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_dry_run", default=False)
 
 
 @contextlib.contextmanager
@@ -46,6 +47,25 @@ def target(chip):
     yield
   finally:
     _target.reset(token)
+
+
+@contextlib.contextmanager
+def dry_run():
+  """Rehearse TPU-only code on any machine: within this block, ``implementation=None`` runs each
+  Pallas kernel in interpret mode (instead of XLA) wherever it is not lowered for TPU, and
+  :func:`kernels.benchmark` times a single call. The notebooks run their TPU-only measuring cells
+  this way on a CPU, at tiny sizes, so CI executes every line a TPU user will: a check that the
+  code runs, never a measurement."""
+  token = _dry_run.set(True)
+  try:
+    yield
+  finally:
+    _dry_run.reset(token)
+
+
+def in_dry_run() -> bool:
+  """True inside :func:`dry_run`."""
+  return _dry_run.get()
 
 
 def target_chip() -> Chip | None:
@@ -100,6 +120,8 @@ def dispatch(op: str, *args: Any, pallas: Callable[..., Any], xla: Callable[...,
       too small to beat XLA); documented by the kernel that passes it.
   """
   check_implementation(implementation, interpret)
+  if interpret is None and implementation is None and _dry_run.get():
+    interpret = True  # a dry run exercises the kernel itself (interpret mode off TPU), not the XLA fallback
   reasons: dict[str, str] = {}
 
   if implementation == "xla":

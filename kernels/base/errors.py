@@ -40,11 +40,12 @@ class CompileError(KernelError):
 class NoImplementationError(KernelError, NotImplementedError):
   """No implementation can serve the request; the message lists each one's reason."""
 
-  def __init__(self, op: str, reasons: dict[str, str]):
+  def __init__(self, op: str, reasons: dict[str, str], *, argument: str = "implementation", value: Any = None):
     self.op = op
     self.reasons = dict(reasons)
     lines = "; ".join(f"{impl}: {why}" for impl, why in reasons.items())
-    KernelError.__init__(self, "implementation", None, message=f"{op}: no implementation fits ({lines})")
+    what = "" if argument == "implementation" else f" at {argument}={_short(value)}"
+    KernelError.__init__(self, argument, value, message=f"{op}: no implementation fits{what} ({lines})")
 
 
 class EstimatorUnavailableError(RuntimeError):

@@ -103,6 +103,8 @@ right by itself.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -116,7 +118,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
-from kernels.base.errors import KernelError, check
+from kernels.base.errors import NoImplementationError, check
 from kernels.base.hardware import get_chip
 
 __all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2",
@@ -237,6 +239,22 @@ def _pieces(a, precision: str) -> list:
   return parts
 
 
+# Set while an interpret-mode kernel is traced: XLA:CPU has no bf16 x bf16 -> f32 dot for every layout
+# ("Unsupported element type for DotThunk"), so the pieces are widened to f32 there. A bf16 product is
+# exact in f32, so the result is the MXU pass's, summed in the same order.
+_WIDEN_DOTS = contextvars.ContextVar("widen_dots", default=False)
+
+
+@contextlib.contextmanager
+def interpreting(interpret):
+  """Around a kernel of this family's ``pallas_call``: widen its bf16 dots when ``interpret`` is set."""
+  token = _WIDEN_DOTS.set(bool(interpret))
+  try:
+    yield
+  finally:
+    _WIDEN_DOTS.reset(token)
+
+
 def _dot(a, mats, precision: str, left: bool):
   """``m @ a`` (left) or ``a @ m`` for f32 data ``a`` and a matrix given as bf16 pieces ``mats``.
 
@@ -245,6 +263,8 @@ def _dot(a, mats, precision: str, left: bool):
   each is one bf16 MXU pass with f32 accumulation.
   """
   def mm(x, m):
+    if _WIDEN_DOTS.get():
+      x, m = x.astype(jnp.float32), m.astype(jnp.float32)
     return jnp.dot(m, x, preferred_element_type=jnp.float32) if left else \
         jnp.dot(x, m, preferred_element_type=jnp.float32)
   parts = _pieces(a, precision)
@@ -530,16 +550,17 @@ def _fft_rows(xr, xi, *, inverse: bool, scale: float, precision: str, interpret)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   inner = 0 if stage2_on_vpu(path, precision) else {"dense": n, "mxu": s + LANES}.get(path, LANES)
   flops = 3 * 2 * batch * n * inner * passes  # the MXU's share
-  out = pl.pallas_call(
-      functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
-      grid=(tiling.cdiv(batch, rows),),
-      in_specs=[full(m) for m in mats] + [row, row],
-      out_specs=[row, row],
-      out_shape=[jax.ShapeDtypeStruct((batch, n), jnp.float32)] * 2,
-      scratch_shapes=scratch,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=16 * batch * n + mat_bytes),
-      interpret=interpret, name="ifft" if inverse else "fft")(*mats, xr, xi)
+  with interpreting(interpret):
+    out = pl.pallas_call(
+        functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
+        grid=(tiling.cdiv(batch, rows),),
+        in_specs=[full(m) for m in mats] + [row, row],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct((batch, n), jnp.float32)] * 2,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
+        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=16 * batch * n + mat_bytes),
+        interpret=interpret, name="ifft" if inverse else "fft")(*mats, xr, xi)
   return out[0], out[1]
 
 
@@ -694,12 +715,17 @@ def _complex_transform(x, n, axis, norm, precision, implementation, interpret, *
     xi = jnp.zeros_like(xr)
   else:
     xr, xi = jnp.real(x), jnp.imag(x)
-  yr, yi = dispatch(
-      name, xr, xi,
-      pallas=lambda a, b, interpret: _pallas_1d(a, b, n=n, axis=axis, inverse=inverse, scale=scale,
-                                                precision=precision, interpret=interpret),
-      xla=lambda a, b: _xla_1d(a, b, n=n, axis=axis, inverse=inverse, scale=scale, precision=precision),
-      implementation=implementation, interpret=interpret)
+  try:
+    yr, yi = dispatch(
+        name, xr, xi,
+        pallas=lambda a, b, interpret: _pallas_1d(a, b, n=n, axis=axis, inverse=inverse, scale=scale,
+                                                  precision=precision, interpret=interpret),
+        xla=lambda a, b: _xla_1d(a, b, n=n, axis=axis, inverse=inverse, scale=scale, precision=precision),
+        implementation=implementation, interpret=interpret)
+  except NoImplementationError as e:
+    if supported_length(n, target_chip()):
+      raise
+    raise NoImplementationError(name, e.reasons, argument="n", value=n) from e
   if inp.planes:
     return yr, yi
   return lax.complex(yr, yi)
@@ -753,7 +779,7 @@ def rfft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=N
         f"must be an int in [-{x.ndim}, {x.ndim})")
   axis = axis % x.ndim
   n = x.shape[axis] if n is None else n
-  y = fft(x, n, axis, norm, precision=precision, implementation=implementation, interpret=interpret)
+  y = _complex_transform(x, n, axis, norm, precision, implementation, interpret, inverse=False, name="rfft")
   return lax.slice_in_dim(y, 0, n // 2 + 1, axis=axis)
 
 
@@ -781,7 +807,7 @@ def irfft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=
   n = 2 * (x.shape[axis] - 1) if n is None else n
   check(isinstance(n, int) and n >= 1, "n", n, "must be a positive int (the output length)")
   full = _hermitian_full(x, n, axis)
-  y = ifft(full, n, axis, norm, precision=precision, implementation=implementation, interpret=interpret)
+  y = _complex_transform(full, n, axis, norm, precision, implementation, interpret, inverse=True, name="irfft")
   return jnp.real(y)
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from kernels.base.backend import in_dry_run
 from kernels.base.hardware import Chip, detect
 from kernels.base.roofline import Roofline
 
@@ -92,6 +93,8 @@ def benchmark(fn: Callable, *args, flops: float | None = None, bytes_accessed: f
   more while their total stays under ``min_seconds``.
   """
   import functools
+  if in_dry_run():  # a rehearsal of the code (kernels.base.backend.dry_run), not a measurement
+    warmup, reps, min_seconds = 0, 1, 0.0
   f = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
   out = f(*args)
   jax.block_until_ready(out)
