@@ -123,3 +123,14 @@ def test_dry_run_runs_the_kernel_in_interpret_mode_and_times_once():
   assert not backend.in_dry_run()
   assert calls == [("xla", None), ("pallas", True), ("xla", None)]
   assert len(m.times) == 1
+
+
+
+def test_an_old_jax_is_an_import_error_that_says_what_to_do(monkeypatch):
+  import importlib.metadata
+  from kernels.base import env
+  monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.7.2")
+  with pytest.raises(ImportError, match=r"kernels needs jax >= 0\.10\.2, found jax 0\.7\.2: run `pip install -U"):
+    env.check_jax_version()
+  monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.2")
+  env.check_jax_version()

@@ -130,3 +130,4 @@ def test_distributed_is_reachable_after_import_kernels():
   out = run_program("import kernels; print(kernels.distributed.ring_attention.__name__)")
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "ring_attention"
+

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import jax
 
+from kernels.base import sharding
 from kernels.base.errors import KernelError, NoImplementationError
 from kernels.base.hardware import Chip, get_chip
 
@@ -120,6 +121,7 @@ def dispatch(op: str, *args: Any, pallas: Callable[..., Any], xla: Callable[...,
       too small to beat XLA); documented by the kernel that passes it.
   """
   check_implementation(implementation, interpret)
+  args = sharding.common_varying(args)  # inside a shard_map: one varying type for all (kernels.base.sharding)
   if interpret is None and implementation is None and _dry_run.get():
     interpret = True  # a dry run exercises the kernel itself (interpret mode off TPU), not the XLA fallback
   reasons: dict[str, str] = {}

@@ -21,6 +21,23 @@ import sys
 import tempfile
 
 _FLAG = "--xla_jf_dump_static_llo_profile_to"
+JAX_FLOOR = (0, 10, 2)  # pyproject.toml's floor, the version CI tests
+
+
+def check_jax_version() -> None:
+  """An ImportError that says what to do when the installed jax is older than the package supports
+  (Colab's and Kaggle's TPU runtimes ship jax 0.7.2), instead of failures deep inside a kernel."""
+  import importlib.metadata
+  import re
+  try:
+    version = importlib.metadata.version("jax")
+  except importlib.metadata.PackageNotFoundError:
+    return  # jax's own import will say so
+  found = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+  if found < JAX_FLOOR:
+    floor = ".".join(map(str, JAX_FLOOR))
+    raise ImportError(f"kernels needs jax >= {floor}, found jax {version}: run `pip install -U \"jax[tpu]>={floor}\"` "
+                      "(on Colab or Kaggle, then restart the runtime)")
 
 
 def tpu_attached() -> bool:
@@ -90,8 +107,34 @@ def setup() -> str | None:
   # One folder per process: a parent's folder (inherited through the environment) is not ours.
   folder = tempfile.mkdtemp(prefix=f"kernels-llo-{os.getpid()}-")
   atexit.register(shutil.rmtree, folder, ignore_errors=True)
-  os.environ["LIBTPU_INIT_ARGS"] = " ".join(others + [f"{_FLAG}={folder}"])
+  # --undefok: a libtpu without the cost model (jax 0.7's libtpu 0.0.23) would otherwise print
+  # "ERROR: Unknown command line flag" and exit(1) when it loads; with it, it ignores the flag
+  # (and writes no profile: see static_profiler_in_libtpu).
+  undefok = f"--undefok={_FLAG[2:]}"
+  others = [t for t in others if t != undefok]
+  os.environ["LIBTPU_INIT_ARGS"] = " ".join(others + [f"{_FLAG}={folder}", undefok])
   return folder
+
+
+def static_profiler_in_libtpu() -> bool:
+  """True if the installed libtpu knows the cost model's flag (libtpu 0.0.23, jax 0.7's, does not)."""
+  global _HAS_PROFILER
+  if _HAS_PROFILER is None:
+    import importlib.util
+    import mmap
+    try:
+      path = os.environ.get("TPU_LIBRARY_PATH")  # where jax itself looks first
+      if not path:
+        spec = importlib.util.find_spec("libtpu")
+        path = os.path.join(os.path.dirname(spec.origin), "libtpu.so")
+      with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        _HAS_PROFILER = m.find(_FLAG[2:].encode()) >= 0
+    except (AttributeError, TypeError, OSError, ValueError):
+      _HAS_PROFILER = False
+  return _HAS_PROFILER
+
+
+_HAS_PROFILER: bool | None = None
 
 
 def _gpu_plugin_installed() -> bool:
@@ -110,4 +153,5 @@ def _restrict_jax_to_cpu_if_uninitialised() -> None:
     pass
 
 
+check_jax_version()
 STATIC_PROFILE_DIR = setup()

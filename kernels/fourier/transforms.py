@@ -116,6 +116,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.base import sharding
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import NoImplementationError, check
@@ -551,7 +552,7 @@ def _fft_rows(xr, xi, *, inverse: bool, scale: float, precision: str, interpret)
   inner = 0 if stage2_on_vpu(path, precision) else {"dense": n, "mxu": s + LANES}.get(path, LANES)
   flops = 3 * 2 * batch * n * inner * passes  # the MXU's share
   with interpreting(interpret):
-    out = pl.pallas_call(
+    out = sharding.pallas_call(
         functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
         grid=(tiling.cdiv(batch, rows),),
         in_specs=[full(m) for m in mats] + [row, row],

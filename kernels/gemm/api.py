@@ -162,6 +162,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.base import sharding
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, check
@@ -530,7 +531,7 @@ def _pallas_matmul(a, b, bias, seed, a_scale, b_scale, *, p: _Problem, plan: _Pl
   cost = pl.CostEstimate(
       flops=2 * plan.nbatch * p.m * p.n * p.k, transcendentals=0,
       bytes_accessed=isz * (a.size + b.size) + jnp.dtype(p.out_dtype).itemsize * plan.nbatch * p.m * p.n)
-  call = pl.pallas_call(
+  call = sharding.pallas_call(
       functools.partial(_kernel, p=p, plan=plan),
       grid_spec=grid_spec, out_shape=out_shapes,
       compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=plan.vmem_limit),

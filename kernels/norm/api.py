@@ -111,6 +111,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.base import sharding
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, check
@@ -812,7 +813,7 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, sav
     out_specs.append(spec)
     out_shape.append(shape)
     scratch.append(pltpu.VMEM((_n_stats(p), rows, 1), jnp.float32))
-  call = pl.pallas_call(
+  call = sharding.pallas_call(
       functools.partial(_forward_kernel, p=p, rows=rows, native_add=not interpret), grid=grid,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=limit),
@@ -861,7 +862,7 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
   else:
     kernel = functools.partial(_backward_kernel, p=p, rows=rows)
     scratch = [] if wide else [pltpu.VMEM(_acc_shape(p.hidden, p.dtype), jnp.float32)] * n_sums
-  call = pl.pallas_call(
+  call = sharding.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,

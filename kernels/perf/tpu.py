@@ -55,19 +55,28 @@ _lock = threading.RLock()
 
 @contextlib.contextmanager
 def _quiet_stderr():
-  """Sends C-level stderr (libtpu's host warnings) to a file; yields a reader for it."""
-  with tempfile.TemporaryFile(mode="w+b") as sink:
-    try:
-      saved = os.dup(2)
-    except OSError:  # pragma: no cover - no fd 2
-      yield lambda: ""
-      return
-    os.dup2(sink.fileno(), 2)
-    try:
-      yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1]
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
+  """Sends C-level stderr (libtpu's host warnings) to a file; yields a reader for it.
+
+  The file is named (``$TMPDIR/kernels-libtpu-stderr-<pid>-*.log``) and removed on the way out: if
+  libtpu ends the process inside (an unknown flag's exit(1), a compiler CHECK failure's abort), its
+  last words stay there instead of vanishing with an anonymous file."""
+  sink = tempfile.NamedTemporaryFile(mode="w+b", prefix=f"kernels-libtpu-stderr-{os.getpid()}-", suffix=".log",
+                                     delete=False)
+  try:
+    with sink:
+      try:
+        saved = os.dup(2)
+      except OSError:  # pragma: no cover - no fd 2
+        yield lambda: ""
+        return
+      os.dup2(sink.fileno(), 2)
+      try:
+        yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1]
+      finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+  finally:  # (not reached when libtpu ends the process: the file keeps what it said)
+    os.remove(sink.name)
 
 
 @functools.cache
@@ -551,8 +560,9 @@ def _read_profile(folder: str) -> dict[str, int]:
 
 
 def estimator_available() -> bool:
-  """True if this process can produce compiler estimates (libtpu installed, flag set before it loaded)."""
-  return _env.STATIC_PROFILE_DIR is not None and available()
+  """True if this process can produce compiler estimates (libtpu installed and with the cost model,
+  flag set before it loaded)."""
+  return _env.STATIC_PROFILE_DIR is not None and _env.static_profiler_in_libtpu() and available()
 
 
 def hbm_traffic(fn: Callable, *args, generation: str = "v5e", compilation: TpuCompilation | None = None,
@@ -616,6 +626,11 @@ def estimate_tpu(fn: Callable, *args, generation: str = "v5e", flops: float | No
     raise EstimatorUnavailableError(
         "the TPU compiler's static cost model is off in this process: import kernels before JAX "
         "initialises a TPU backend, and on a TPU host set KERNELS_STATIC_PROFILE=1 first")
+  if not _env.static_profiler_in_libtpu():
+    import importlib.metadata
+    raise EstimatorUnavailableError(
+        f"the installed libtpu ({importlib.metadata.version('libtpu')}, jax {jax.__version__}) has no static "
+        f"cost model ({_env._FLAG}): estimates need a newer jax[tpu]; compile_for_tpu still works")
   chip = get_chip(generation)
   if chip.name not in PROFILED_GENERATIONS:
     raise EstimatorUnavailableError(
