@@ -732,3 +732,15 @@ def test_megacore_splits_the_parallel_axes(monkeypatch):
     return original(dimension_semantics=("arbitrary",) * len(dimension_semantics), **kw)
   monkeypatch.setattr(pltpu, "CompilerParams", sequential)
   assert parallel < 0.6 * estimate()
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 96])
+def test_bf16_narrow_output_under_jit_in_interpret_mode(n):
+  """XLA:CPU has no bf16 x bf16 -> f32 dot for 64 or fewer columns ("Unsupported element type for
+  DotThunk"); in interpret mode the kernel widens its bf16 operands, which gives the MXU's products."""
+  rng = np.random.default_rng(n)
+  a = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((64, n)), jnp.bfloat16)
+  got = jax.jit(lambda a, b: kernels.matmul(a, b, implementation="pallas", interpret=True))(a, b)
+  want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -7, atol=2e-2)

@@ -1,4 +1,4 @@
-"""Kernels on a device mesh: ``pallas_call`` inside ``shard_map``.
+"""``pallas_call`` as every kernel here calls it: inside a ``shard_map``, and in interpret mode.
 
 Mosaic kernels cannot be partitioned automatically: under ``jit`` on a mesh, each kernel must run
 inside a ``shard_map`` on its local shards. This module holds what every kernel needs for that.
@@ -12,12 +12,42 @@ that a replicated operand's gradient needs, exactly once. (On a CPU, interpret m
 those axes yet: JAX's interpreters either reject the kernel body's mix of varying and invariant values
 or, with several devices, can deadlock; there, use ``check_vma=False``. On a TPU the declaration is
 what Mosaic's lowering needs, and it is checked by compiling for TPU ahead of time.)
+
+*Interpret mode.* While a kernel is traced for interpret mode, :func:`mxu_operands` widens bf16 dot
+operands, which XLA:CPU cannot always multiply.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+# True while a kernel is traced for interpret mode (set by pallas_call below).
+_INTERPRETING = contextvars.ContextVar("kernels_interpreting", default=False)
+
+
+@contextlib.contextmanager
+def _interpreting(interpret):
+  token = _INTERPRETING.set(bool(interpret))
+  try:
+    yield
+  finally:
+    _INTERPRETING.reset(token)
+
+
+def mxu_operands(*xs):
+  """A kernel's dot operands, as the MXU takes them; in interpret mode, bf16 ones widened to f32.
+
+  XLA:CPU has no bf16 x bf16 -> f32 dot for every shape ("Unsupported element type for DotThunk":
+  a matmul with 64 or fewer columns, an FFT along a leading axis). A bf16 product is exact in f32 and
+  the dots accumulate in f32 either way, so the widened dot gives the MXU's result."""
+  if not _INTERPRETING.get():
+    return xs
+  return tuple(x.astype(jnp.float32) if getattr(x, "dtype", None) == jnp.bfloat16 else x for x in xs)
 
 
 def _manual_axis_type(x):
@@ -64,10 +94,11 @@ def pallas_call(kernel, out_shape, *, interpret=False, **kwargs):
   """``pl.pallas_call`` that also works inside a ``shard_map`` with ``check_vma=True`` (see the module doc)."""
   def call(*args):
     axes = varying_axes(args)
-    if not axes:
-      return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **kwargs)(*args)
-    args = common_varying(args)
-    template = next(a for a in jax.tree.leaves(args) if _manual_axis_type(a) is not None)
-    shapes = jax.tree.map(lambda s: _varying_struct(s, template), out_shape)
-    return pl.pallas_call(kernel, out_shape=shapes, interpret=interpret, **kwargs)(*args)
+    shapes = out_shape
+    if axes:
+      args = common_varying(args)
+      template = next(a for a in jax.tree.leaves(args) if _manual_axis_type(a) is not None)
+      shapes = jax.tree.map(lambda s: _varying_struct(s, template), out_shape)
+    with _interpreting(interpret):  # the kernel is traced inside (see mxu_operands)
+      return pl.pallas_call(kernel, out_shape=shapes, interpret=interpret, **kwargs)(*args)
   return call

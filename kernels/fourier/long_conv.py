@@ -66,7 +66,7 @@ from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import check
 from kernels.base.hardware import get_chip
 from kernels.fourier.transforms import (DENSE_MAX, LANES, PRECISIONS, TWO_STAGE_MAX, _cmul_mat, _gauss, _is_array, _phase,
-                                        _split, _twiddle, _vpu_fft, fft, ifft, interpreting, vpu_factors)
+                                        _split, _twiddle, _vpu_fft, fft, ifft, vpu_factors)
 
 MAX_ROWS = 8  # channels per grid step: a chunk of 8 rows is one vreg tall
 
@@ -273,21 +273,20 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
   sspec = pl.BlockSpec((1, s, rows, w), lambda ci, bi: (bi, 0, ci, 0))
   spectrum_in = [] if spectrum is None else list(spectrum)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
-  with interpreting(interpret):
-    return sharding.pallas_call(
-        functools.partial(kernel, s=s, h=h, w=w, precision=precision, layout=layout, has_bias=bias is not None,
-                          **options),
-        grid=(tiling.cdiv(c, rows), u5.shape[1]),
-        in_specs=mat_specs + [chan, pair] + [sspec] * len(spectrum_in) + bias_spec,
-        out_specs=out_specs(chan, pair, sspec),
-        out_shape=out_shape(u5.shape, (c, t), sshape),
-        scratch_shapes=[pltpu.VMEM((s, rows, w), jnp.float32)] * temps,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
-        cost_estimate=pl.CostEstimate(flops=flops(passes, u5.shape[1] * c, s, h, w), transcendentals=0,
-                                      bytes_accessed=bytes_accessed(u5.size, 2 * math.prod(sshape)) + mat_bytes),
-        interpret=interpret, name=name)(*mats, k, u5, *spectrum_in, *_bias_rows(bias, c, w))
+  return sharding.pallas_call(
+      functools.partial(kernel, s=s, h=h, w=w, precision=precision, layout=layout, has_bias=bias is not None,
+                        **options),
+      grid=(tiling.cdiv(c, rows), u5.shape[1]),
+      in_specs=mat_specs + [chan, pair] + [sspec] * len(spectrum_in) + bias_spec,
+      out_specs=out_specs(chan, pair, sspec),
+      out_shape=out_shape(u5.shape, (c, t), sshape),
+      scratch_shapes=[pltpu.VMEM((s, rows, w), jnp.float32)] * temps,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary"),
+          vmem_limit_bytes=tiling.vmem_limit(need + 2 * mat_bytes, chip or "v5e", argument="u", value=u.shape)),
+      cost_estimate=pl.CostEstimate(flops=flops(passes, u5.shape[1] * c, s, h, w), transcendentals=0,
+                                    bytes_accessed=bytes_accessed(u5.size, 2 * math.prod(sshape)) + mat_bytes),
+      interpret=interpret, name=name)(*mats, k, u5, *spectrum_in, *_bias_rows(bias, c, w))
 
 
 def _fft_flops(passes, s, h, w):

@@ -103,8 +103,6 @@ right by itself.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -240,22 +238,6 @@ def _pieces(a, precision: str) -> list:
   return parts
 
 
-# Set while an interpret-mode kernel is traced: XLA:CPU has no bf16 x bf16 -> f32 dot for every layout
-# ("Unsupported element type for DotThunk"), so the pieces are widened to f32 there. A bf16 product is
-# exact in f32, so the result is the MXU pass's, summed in the same order.
-_WIDEN_DOTS = contextvars.ContextVar("widen_dots", default=False)
-
-
-@contextlib.contextmanager
-def interpreting(interpret):
-  """Around a kernel of this family's ``pallas_call``: widen its bf16 dots when ``interpret`` is set."""
-  token = _WIDEN_DOTS.set(bool(interpret))
-  try:
-    yield
-  finally:
-    _WIDEN_DOTS.reset(token)
-
-
 def _dot(a, mats, precision: str, left: bool):
   """``m @ a`` (left) or ``a @ m`` for f32 data ``a`` and a matrix given as bf16 pieces ``mats``.
 
@@ -264,8 +246,7 @@ def _dot(a, mats, precision: str, left: bool):
   each is one bf16 MXU pass with f32 accumulation.
   """
   def mm(x, m):
-    if _WIDEN_DOTS.get():
-      x, m = x.astype(jnp.float32), m.astype(jnp.float32)
+    x, m = sharding.mxu_operands(x, m)  # f32 in interpret mode (XLA:CPU's bf16 dots)
     return jnp.dot(m, x, preferred_element_type=jnp.float32) if left else \
         jnp.dot(x, m, preferred_element_type=jnp.float32)
   parts = _pieces(a, precision)
@@ -551,17 +532,16 @@ def _fft_rows(xr, xi, *, inverse: bool, scale: float, precision: str, interpret)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   inner = 0 if stage2_on_vpu(path, precision) else {"dense": n, "mxu": s + LANES}.get(path, LANES)
   flops = 3 * 2 * batch * n * inner * passes  # the MXU's share
-  with interpreting(interpret):
-    out = sharding.pallas_call(
-        functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
-        grid=(tiling.cdiv(batch, rows),),
-        in_specs=[full(m) for m in mats] + [row, row],
-        out_specs=[row, row],
-        out_shape=[jax.ShapeDtypeStruct((batch, n), jnp.float32)] * 2,
-        scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
-        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=16 * batch * n + mat_bytes),
-        interpret=interpret, name="ifft" if inverse else "fft")(*mats, xr, xi)
+  out = sharding.pallas_call(
+      functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
+      grid=(tiling.cdiv(batch, rows),),
+      in_specs=[full(m) for m in mats] + [row, row],
+      out_specs=[row, row],
+      out_shape=[jax.ShapeDtypeStruct((batch, n), jnp.float32)] * 2,
+      scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=16 * batch * n + mat_bytes),
+      interpret=interpret, name="ifft" if inverse else "fft")(*mats, xr, xi)
   return out[0], out[1]
 
 

@@ -352,6 +352,7 @@ def _reference(a, b, bias, seed, a_scale, b_scale, *, p: _Problem):
     return x.reshape((math.prod(batch),) + x.shape[-2:])
   a3, b3 = flat(a, p.a_batch), flat(b, p.b_batch)
   acc_type = _acc_dtype(p.dtype)
+  a3, b3 = sharding.mxu_operands(a3, b3)
   acc = lax.dot_general(a3, b3, _dot_dims(3, 3, p.transpose_a, p.transpose_b), precision=p.precision,
                         preferred_element_type=acc_type)
   nb = acc.shape[0]
@@ -434,6 +435,7 @@ def _kernel(*refs, p: _Problem, plan: _Plan):
       kb = 1 if p.transpose_b else 0
       x = _zero_tail(x, ka, valid)
       y = _zero_tail(y, kb, valid)
+    x, y = sharding.mxu_operands(x, y)
     return lax.dot_general(x, y, dims, precision=p.precision, preferred_element_type=acc_dtype)
 
   def finish(acc):
