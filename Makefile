@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 SPHINX := $(BIN)/python -m sphinx
 SPHINXOPTS ?= -W --keep-going -q
 
-.PHONY: venv docs check-math html-en html-es test test-unit test-notebooks gettext translations-check sync sync-check clean
+.PHONY: venv docs check-math html-en html-es test test-unit test-notebooks gettext translations-check sync sync-check fuzz clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -56,6 +56,16 @@ test-unit: $(STAMP)
 
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m notebook
+
+# --- fuzzing --------------------------------------------------------------
+# Random configurations of every kernel family in interpret mode against float64 oracles, forward and
+# gradients, plus malformed inputs (tools/fuzz.py), in one process. A failure prints the command that
+# reproduces it. Hours at the default; FUZZ_CASES=100 takes about half an hour.
+FUZZ_SEED ?= 0
+FUZZ_CASES ?= 1000
+
+fuzz: $(STAMP)
+	$(BIN)/python tools/fuzz.py --seed $(FUZZ_SEED) --cases $(FUZZ_CASES)
 
 clean:
 	rm -rf _build
