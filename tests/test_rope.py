@@ -282,3 +282,14 @@ def test_default_dispatch_on_tpu_runs_xla_for_lane_sparse_heads():
   sparse = kernels.compile_for_tpu(lambda x: rope(x), _sds((2, 256, 8, 64)), generation="v5e", profile=False)
   dense = kernels.compile_for_tpu(lambda x: rope(x), _sds((2, 256, 8, 128)), generation="v5e", profile=False)
   assert "tpu_custom_call" not in sparse.hlo and "tpu_custom_call" in dense.hlo
+
+
+def test_interleaved_must_be_a_bool():
+  """Found by tools/fuzz.py: a non-bool `interleaved` ran (as truthy) instead of raising."""
+  x = rand((1, 4, 1, 8))
+  for bad in ("yes", 1, None):
+    with pytest.raises(kernels.KernelError, match="interleaved") as e:
+      rope(x, interleaved=bad)
+    assert e.value.argument == "interleaved"
+    with pytest.raises(kernels.KernelError, match="interleaved"):
+      rope_reference(x, interleaved=bad)

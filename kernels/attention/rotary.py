@@ -290,8 +290,9 @@ class _Problem:
   dtype: jnp.dtype
 
 
-def _validate(x, positions, rotary_dim, theta, scaling, max_position):
+def _validate(x, positions, rotary_dim, theta, scaling, max_position, interleaved=False):
   check(hasattr(x, "shape") and x.ndim == 4, "x", x, "must be [batch, seq, heads, head_dim]")
+  check(isinstance(interleaved, (bool, np.bool_)), "interleaved", interleaved, "must be True or False")
   check(jnp.issubdtype(x.dtype, jnp.floating), "x", x, "must be floating point")
   b, s, h, d = x.shape
   check(d % 2 == 0, "x", x, f"head_dim {d} must be even")
@@ -361,7 +362,7 @@ def _rotate_xla(x, cos, sin, *, rotary_dim: int, interleaved: bool):
 def rope_reference(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False, scaling=None,
                    max_position=None):
   """RoPE in plain JAX, in float32 (the result in ``x``'s dtype): the textbook slices and concatenations."""
-  p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position)
+  p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position, interleaved)
   cos, sin = _cos_sin(p, positions, theta, interleaved, scaling, max_position)
   return _rotate_xla(x, cos, sin, rotary_dim=p.rotary_dim, interleaved=interleaved)
 
@@ -505,7 +506,7 @@ def rope(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False
   Raises:
     KernelError: bad input, naming the argument, before anything is lowered.
   """
-  p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position)
+  p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position, interleaved)
   blocks = _check_blocks(block_sizes)
   cos, sin = _cos_sin(p, positions, theta, interleaved, scaling, max_position)
   return dispatch(
