@@ -428,3 +428,12 @@ def test_aot_compiles_benchmark_shapes(generation):
       comp = kernels.compile_for_tpu(lambda x, w: conv2d(x, w, implementation="pallas", interpret=False),
                                      xb, w, generation=generation, profile=False)
       assert f"conv2d_winograd_f{tile}_batched" in comp.hlo
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_an_empty_batch_gives_an_empty_result(implementation):
+  """Found by tools/fuzz.py: batch 0 reached the Pallas grid and raised a raw TypeError."""
+  x = jnp.zeros((0, 7, 9, 4), jnp.float32)
+  w = jnp.ones((3, 3, 4, 8), jnp.float32)
+  y = kernels.conv2d(x, w, implementation=implementation, interpret=True if implementation else None)
+  assert y.shape == kernels.conv2d_reference(x, w).shape == (0, 7, 9, 8)

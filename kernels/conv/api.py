@@ -1021,6 +1021,9 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     z = _lax_conv(x, w.astype(x.dtype), c, precision)
     return _epilogue(z, bias, activation).astype(out_dtype)
 
+  if x.shape[0] == 0:  # an empty batch: nothing to compute, and a Pallas grid of length 0 cannot run
+    check(not pre, "x", x, "must hold at least one image with a transformed (Winograd) filter")
+    return xla(x, w, bias)
   if pre:  # a transformed filter has no XLA path: the Pallas kernel (interpret mode off TPU)
     return dispatch("conv2d", x, w, bias, pallas=pallas, xla=xla, implementation=implementation or "pallas",
                     interpret=interpret)
