@@ -134,3 +134,29 @@ def test_an_old_jax_is_an_import_error_that_says_what_to_do(monkeypatch):
     env.check_jax_version()
   monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.2")
   env.check_jax_version()
+
+
+# Empty inputs the fuzzer found reaching a Pallas grid of length 0 (a raw TypeError or
+# ZeroDivisionError): each gives the empty result XLA gives, on the Pallas path too.
+_EMPTY_CASES = {
+    "rope, no batch": lambda: (kernels.rope(jnp.zeros((0, 8, 2, 128)), jnp.zeros((0, 8), jnp.int32)), (0, 8, 2, 128)),
+    "rope, no tokens": lambda: (kernels.rope(jnp.zeros((1, 0, 2, 128))), (1, 0, 2, 128)),
+    "matmul, empty batch": lambda: (kernels.matmul(jnp.zeros((0, 8, 16)), jnp.zeros((0, 16, 8))), (0, 8, 8)),
+    "fft, empty batch": lambda: (kernels.fft(jnp.zeros((0, 16), jnp.complex64)), (0, 16)),
+    "fft_conv, empty batch": lambda: (kernels.fft_conv(jnp.zeros((0, 4, 32)), jnp.zeros((4, 32))), (0, 4, 32)),
+    "conv2d, no output channels": lambda: (kernels.conv2d(jnp.zeros((1, 8, 8, 4)), jnp.zeros((3, 3, 4, 0))),
+                                           (1, 8, 8, 0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EMPTY_CASES))
+def test_an_empty_input_gives_an_empty_result_on_the_pallas_path(case):
+  from kernels.base.backend import dry_run
+  with dry_run():  # implementation=None means the Pallas kernel (interpret mode), as on a TPU
+    out, shape = _EMPTY_CASES[case]()
+  assert out.shape == shape
+
+
+def test_fft_of_an_empty_axis_names_x():
+  with pytest.raises(kernels.KernelError, match=r"^x=.*axis 1 is empty"):
+    kernels.fft(jnp.zeros((2, 0), jnp.complex64))

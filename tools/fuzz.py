@@ -1650,8 +1650,10 @@ FAMILIES["tgmm"] = Family(case_tgmm, lambda rng: malformed_gmm(rng, transposed=T
 # Tolerances. Routing: expert ids, drops, the kept order and the counts exactly; combine weights and
 # losses in f32: 1e-5 (bf16 x: the router logits from bf16 operands, f32 sums: the same). The layer:
 # float32 5e-5 of the largest output; bfloat16 (the grouped matmuls' bf16 outputs, the activation
-# product rounded to bf16 before the down projection) 3e-2. Gradients: f32 5e-4, bf16 5e-2.
+# product rounded to bf16 before the down projection) 3e-2. Gradients: f32 5e-4, bf16 5e-2; the router's
+# alone (XLA, f32 sums; bf16 gradients summed over the tokens and rounded once) f32 1e-4, bf16 1e-2.
 ROUTE_TOL = dict(atol=1e-5, rtol=1e-5)
+ROUTE_GRAD_TOL = {"float32": 1e-4, "bfloat16": 1e-2}
 MOE_TOL = {"float32": dict(atol=5e-5, rtol=5e-5), "bfloat16": dict(atol=3e-2, rtol=2 ** -7)}
 MOE_GRAD_TOL = {"float32": 5e-4, "bfloat16": 5e-2}
 
@@ -1784,7 +1786,8 @@ def case_route(rng):
       def run(x, rw):
         r = route(x, rw)
         return r.weights, r.load_balancing_loss, r.z_loss
-      check_vjp(run, lambda xp, x, rw: routing_oracle(xp, x, rw, **okw), [x, rw], ["x", "router_w"], 1e-4, rng)
+      check_vjp(run, lambda xp, x, rw: routing_oracle(xp, x, rw, **okw), [x, rw], ["x", "router_w"],
+                ROUTE_GRAD_TOL[dtype.name], rng)
   return config, check
 
 
@@ -2158,11 +2161,12 @@ FAMILIES["fft_conv"] = Family(case_fft_conv, malformed_fft_conv)
 # Tolerances (weights scaled so outputs are O(1)). float32: direct 2e-5; Winograd's transforms amplify
 # rounding: F(2x2,3x3) 5e-5, F(4x4,3x3) 2e-4. bfloat16: direct 1e-2 (one rounding of the f32 result and
 # the bf16 MXU operands); Winograd rounds the transformed tiles and filters to bf16: 2e-2 (F2), 6e-2 (F4).
-# Gradients: f32 2e-4 (Winograd 1e-3), bf16 5e-2.
+# Gradients: f32 2e-4 (Winograd 1e-3), bf16 5e-2; bf16 Winograd 1e-1: the bias and filter gradients sum
+# act'(z) * dy over the image, and z carries the forward's 6e-2 (a correct kernel reached 5.4e-2).
 CONV_TOL = {("direct", "float32"): 2e-5, ("winograd2", "float32"): 5e-5, ("winograd4", "float32"): 2e-4,
             ("direct", "bfloat16"): 1e-2, ("winograd2", "bfloat16"): 2e-2, ("winograd4", "bfloat16"): 6e-2}
 CONV_GRAD_TOL = {("direct", "float32"): 2e-4, ("winograd", "float32"): 1e-3, ("direct", "bfloat16"): 5e-2,
-                 ("winograd", "bfloat16"): 5e-2}
+                 ("winograd", "bfloat16"): 1e-1}
 
 
 def conv_pads(size, k, stride, dilation, padding):

@@ -508,6 +508,8 @@ def rope(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False
   """
   p, scaling = _validate(x, positions, rotary_dim, theta, scaling, max_position, interleaved)
   blocks = _check_blocks(block_sizes)
+  if x.size == 0:  # no tokens, batch or heads: nothing to rotate
+    return x
   cos, sin = _cos_sin(p, positions, theta, interleaved, scaling, max_position)
   return dispatch(
       "rope", x, cos, sin,

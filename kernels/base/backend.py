@@ -122,6 +122,10 @@ def dispatch(op: str, *args: Any, pallas: Callable[..., Any], xla: Callable[...,
   """
   check_implementation(implementation, interpret)
   args = sharding.common_varying(args)  # inside a shard_map: one varying type for all (kernels.base.sharding)
+  if any(getattr(a, "size", 1) == 0 for a in jax.tree.leaves(args)):
+    # nothing to compute (an empty batch, no output channels...): XLA gives the empty (or zero) result,
+    # where a Pallas grid of length 0 cannot run
+    return _run_only("xla", xla, args, op)
   if interpret is None and implementation is None and _dry_run.get():
     interpret = True  # a dry run exercises the kernel itself (interpret mode off TPU), not the XLA fallback
   reasons: dict[str, str] = {}

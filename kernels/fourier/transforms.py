@@ -686,8 +686,9 @@ def _complex_transform(x, n, axis, norm, precision, implementation, interpret, *
   inp = _validate(x, complex_required=False)
   _check_common(inp, "x", x, n, axis, norm, precision)
   axis = axis % len(inp.shape)
+  check(n is not None or inp.shape[axis] >= 1, "x", x, f"axis {axis} is empty: nothing to transform (pass n to pad)")
   n = inp.shape[axis] if n is None else n
-  check(n >= 1, "n", n, "must be positive (the axis is empty)")
+  check(n >= 1, "n", n, "must be positive")
   scale = _scale(norm, n, inverse)
   if inp.planes:
     xr, xi = x
