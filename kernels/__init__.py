@@ -26,6 +26,7 @@ from kernels.base import env as _env  # noqa: F401  (must run before libtpu load
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import (CompileError, EstimatorUnavailableError, KernelError, NoImplementationError,
                                  TilingError, VmemOverflowError)
+from kernels.base.partition import sharding
 from kernels.base.hardware import CHIPS, TPU_GENERATIONS, Chip, detect, get_chip
 from kernels.base.roofline import Roofline, matmul_cost, roofline as roofline_of
 from kernels.gemm import BlockSizes, matmul, matmul_reference, quantized_matmul
@@ -84,5 +85,5 @@ __all__ = [
     "Measurement", "NoImplementationError", "Roofline", "TilingError", "TpuCompilation", "VmemOverflowError",
     "benchmark", "compile_for_tpu", "detect", "dispatch", "estimate_tpu", "estimate_tpu_pieces", "estimator_available", "get_chip",
     "hbm_traffic",
-    "matmul_cost", "roofline_of", "target_chip",
+    "matmul_cost", "roofline_of", "sharding", "target_chip",
 ]

@@ -1,8 +1,8 @@
 """Kernels inside a user's own ``jax.shard_map`` with JAX's default ``check_vma=True``.
 
 A ``pallas_call`` there needs each output's varying mesh axes declared
-(:func:`kernels.base.sharding.pallas_call`), and a kernel's custom VJP needs its primals of one
-varying type (:func:`kernels.base.sharding.common_varying`, applied by ``dispatch``), so that a
+(:func:`kernels.base.calls.pallas_call`), and a kernel's custom VJP needs its primals of one
+varying type (:func:`kernels.base.calls.common_varying`, applied by ``dispatch``), so that a
 replicated parameter's gradient is reduced over the mesh exactly once. Interpret mode on a CPU
 cannot follow varying axes inside a kernel body (JAX's interpreters), so these are compiled for a
 multi-chip TPU ahead of time, where Mosaic's lowering is what checks them.
@@ -16,13 +16,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kernels
-from kernels.base import sharding
+from kernels.base import calls
 
 
 def test_varying_axes_are_empty_outside_a_shard_map():
   x = jnp.ones((4, 128))
-  assert sharding.varying_axes(x, (x, None)) == frozenset()
-  assert sharding.common_varying((x, 3)) == (x, 3)
+  assert calls.varying_axes(x, (x, None)) == frozenset()
+  assert calls.common_varying((x, 3)) == (x, 3)
 
 
 def _compile(fn, *args):

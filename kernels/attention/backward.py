@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.attention.plan import (NEG_INF, _NN, _NT, _TN, _all, _block_needed, _branches, _clamp,
                                      _compiler_params, _dense_block, _full_block, _keep_tile, _kv_major_grid,
                                      _kv_major_ids, _masked_tiles, _Plan, _Problem, _q_major_grid, _q_major_ids,
@@ -249,7 +249,7 @@ def _dq_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *,
   cost = pl.CostEstimate(flops=int(6 * p.b * p.h * p.sq * p.skv * p.d * frac),
                          transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
                          bytes_accessed=int(isz * (3 * q.size + k.size + v.size)))
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_dq_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=_q_major_grid(p, plan),
                                              in_specs=in_specs, out_specs=out_specs,
@@ -327,7 +327,7 @@ def _dkv_call(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, lse, delta, do, *
   cost = pl.CostEstimate(flops=int((10 if plan.fused_dq else 8) * p.b * p.h * p.sq * p.skv * p.d * frac),
                          transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
                          bytes_accessed=int(isz * (2 * q.size + 2 * k.size + 2 * v.size)))
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_dkv_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=0, grid=_kv_major_grid(p, plan), in_specs=in_specs,

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.attention.plan import (NEG_INF, _NN, _NT, _block_needed, _branches, _compiler_params, _full_block,
                                      _keep_tile, _masked_tiles, _Plan, _Problem, _q_major_grid, _q_major_ids,
@@ -192,7 +192,7 @@ def _pallas_forward(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed, *, p: _Prob
   cost = pl.CostEstimate(flops=int(4 * p.b * p.h * p.sq * p.skv * p.d * frac),
                          transcendentals=int(p.b * p.h * p.sq * p.skv * frac),
                          bytes_accessed=int(isz * (2 * q.size + k.size + v.size)))
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_fwd_kernel, p=p, plan=plan, names=names),
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=grid, in_specs=in_specs,
                                              out_specs=out_specs, scratch_shapes=scratch),

@@ -83,7 +83,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import check
@@ -441,7 +441,7 @@ def _pallas_rotate(x, cos, sin, *, p: _Problem, interleaved: bool, block_seq: in
   params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                 vmem_limit_bytes=limit)
   kernel = functools.partial(_kernel, p=p, interleaved=interleaved, inverse=inverse)
-  return sharding.pallas_call(
+  return calls.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, t_spec, t_spec], out_specs=x_spec,
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), compiler_params=params,
       interpret=interpret, name="rope" if not inverse else "rope_transpose",

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import jax
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base.errors import KernelError, NoImplementationError
 from kernels.base.hardware import Chip, get_chip
 
@@ -121,7 +121,7 @@ def dispatch(op: str, *args: Any, pallas: Callable[..., Any], xla: Callable[...,
       too small to beat XLA); documented by the kernel that passes it.
   """
   check_implementation(implementation, interpret)
-  args = sharding.common_varying(args)  # inside a shard_map: one varying type for all (kernels.base.sharding)
+  args = calls.common_varying(args)  # inside a shard_map: one varying type for all (kernels.base.calls)
   if any(getattr(a, "size", 1) == 0 for a in jax.tree.leaves(args)):
     # nothing to compute (an empty batch, no output channels...): XLA gives the empty (or zero) result,
     # where a Pallas grid of length 0 cannot run

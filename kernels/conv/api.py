@@ -132,7 +132,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, VmemOverflowError, check
@@ -553,7 +553,7 @@ def _direct_pallas(kernel, x, w, bias, c: _Conv, p: _Plan, nb: int, scratch, vme
   flops = 2 * c.n * p.ho_p * p.wo_p * p.cin_p * p.cout_p * c.kh * c.kw
   bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + wq.size * wq.dtype.itemsize * grid[0] * grid[1]
             + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
-  out = sharding.pallas_call(
+  out = calls.pallas_call(
       functools.partial(kernel, nk=nk), grid=grid, in_specs=[x_spec, w_spec, b_spec], out_specs=o_spec,
       out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
       scratch_shapes=scratch,
@@ -749,7 +749,7 @@ def _winograd_call(x, u, bias, c: _Conv, p: _Plan, m: int, *, activation, out_dt
   flops = 2 * c.n * pt * (p.ho_p // p.bh) * wt * t * t * p.cin_p * p.cout_p
   bytes_ = (xp.size * x.dtype.itemsize * (p.cout_p // p.bco) + uq.size * uq.dtype.itemsize * grid[0] * grid[1]
             + c.n * c.ho * c.wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
-  out = sharding.pallas_call(
+  out = calls.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, u_spec, b_spec], out_specs=o_spec,
       out_shape=jax.ShapeDtypeStruct((c.n, c.ho, c.wo, p.cout_p), out_dtype),  # the last row block is partial
       scratch_shapes=[pltpu.VMEM((t * t, pt * wt, p.bco), jnp.float32),

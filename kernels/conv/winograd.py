@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.gemm import apply_activation
 
@@ -228,7 +228,7 @@ def call(xp, u, b, p: Plan, *, ho, wo, bt, at, activation, out_dtype, precision,
   flops = 2 * steps * t * t * p.gemm_rows * p.bc * p.bco
   bytes_ = (xp.size * xp.dtype.itemsize * grid[2] + u.size * u.dtype.itemsize
             * (1 if grid[2] * grid[3] == 1 else grid[0] * grid[1]) + n * ho * wo * p.cout_p * jnp.dtype(out_dtype).itemsize)
-  return sharding.pallas_call(
+  return calls.pallas_call(
       kernel, grid=grid, in_specs=[x_spec, u_spec, b_spec], out_specs=o_spec,
       out_shape=jax.ShapeDtypeStruct((n, ho, wo, p.cout_p), out_dtype),  # the last row block is partial
       scratch_shapes=scratch,

@@ -8,7 +8,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base.backend import dispatch
 from kernels.base.errors import check
 from kernels.distributed.ring import _axis
@@ -71,7 +71,7 @@ def ring_all_gather(x, *, axis_name, bidirectional=True, implementation=None, in
     if interpret is True:  # remote DMAs and semaphores need the TPU interpreter (it simulates every device)
       interpret = pltpu.InterpretParams()
     kernel = functools.partial(_ring_all_gather_kernel, axis_name=axis_name, n=n, bidirectional=bidirectional)
-    out = sharding.pallas_call(
+    out = calls.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n,) + x.shape, x.dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 
 # ---------------------------------------------------------------------------------
@@ -512,7 +512,7 @@ def gmm_call(lhs, rhs, rhs_scale, tables_dict, *, plan: Plan, transpose_rhs: boo
             + mn_arrays * plan.m * plan.n * item)
   act = glu if glu is not None else glu_bwd
   name = "gmm_glu" if glu is not None else "gmm_glu_bwd" if glu_bwd is not None else "gmm"
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_gmm_kernel, tables=tables, plan=plan, transpose_rhs=transpose_rhs,
                         has_scale=rhs_scale is not None, glu=glu, glu_bwd=glu_bwd),
       grid_spec=grid_spec, out_shape=out_shape,
@@ -625,7 +625,7 @@ def tgmm_call(lhs, rhs, tables_dict, *, plan: Plan, lhs_tokens_major: bool, out_
   flops = 2 * plan.m * plan.k * plan.n
   nbytes = (lhs.size * lhs.dtype.itemsize * plan.n_tiles + rhs.size * rhs.dtype.itemsize * plan.k_tiles
             + plan.experts * plan.k * plan.n * jnp.dtype(out_dtype).itemsize)
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_tgmm_kernel, tables=tables, plan=plan, lhs_tokens_major=lhs_tokens_major),
       grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((plan.experts, plan.k, plan.n), out_dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),

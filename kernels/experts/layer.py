@@ -99,7 +99,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.experts import grouped as gmm_mod
 from kernels.experts import grouped_kernels as K
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, VmemOverflowError, check
@@ -382,7 +382,7 @@ def _glu_backward_pallas(h, d, *, activation, interpret, up=None):
   tm, tn, limit = _glu_plan(rows, f, jnp.dtype(h.dtype).itemsize)
   nf = f // tn
   shift = nf if up is None else 0
-  return sharding.pallas_call(
+  return calls.pallas_call(
       functools.partial(_glu_backward_kernel, activation=activation),
       grid=(tiling.cdiv(rows, tm), nf, 2),
       in_specs=[pl.BlockSpec((tm, tn), lambda i, j, s: (i, j)),            # gate

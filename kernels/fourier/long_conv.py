@@ -60,7 +60,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import check
@@ -273,7 +273,7 @@ def _call(kernel, name, u, k, bias, spectrum, out_shape, out_specs, flops, bytes
   sspec = pl.BlockSpec((1, s, rows, w), lambda ci, bi: (bi, 0, ci, 0))
   spectrum_in = [] if spectrum is None else list(spectrum)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
-  return sharding.pallas_call(
+  return calls.pallas_call(
       functools.partial(kernel, s=s, h=h, w=w, precision=precision, layout=layout, has_bias=bias is not None,
                         **options),
       grid=(tiling.cdiv(c, rows), u5.shape[1]),

@@ -114,7 +114,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import NoImplementationError, check
@@ -246,7 +246,7 @@ def _dot(a, mats, precision: str, left: bool):
   each is one bf16 MXU pass with f32 accumulation.
   """
   def mm(x, m):
-    x, m = sharding.mxu_operands(x, m)  # f32 in interpret mode (XLA:CPU's bf16 dots)
+    x, m = calls.mxu_operands(x, m)  # f32 in interpret mode (XLA:CPU's bf16 dots)
     return jnp.dot(m, x, preferred_element_type=jnp.float32) if left else \
         jnp.dot(x, m, preferred_element_type=jnp.float32)
   parts = _pieces(a, precision)
@@ -532,7 +532,7 @@ def _fft_rows(xr, xi, *, inverse: bool, scale: float, precision: str, interpret)
   passes = {"bfloat16": 1, "high": 3, "highest": 6}[precision]
   inner = 0 if stage2_on_vpu(path, precision) else {"dense": n, "mxu": s + LANES}.get(path, LANES)
   flops = 3 * 2 * batch * n * inner * passes  # the MXU's share
-  out = sharding.pallas_call(
+  out = calls.pallas_call(
       functools.partial(_kernel, n=n, rows=rows, precision=precision, layout=layout, path=path, inverse=inverse),
       grid=(tiling.cdiv(batch, rows),),
       in_specs=[full(m) for m in mats] + [row, row],

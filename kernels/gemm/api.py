@@ -162,7 +162,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, check
@@ -352,7 +352,7 @@ def _reference(a, b, bias, seed, a_scale, b_scale, *, p: _Problem):
     return x.reshape((math.prod(batch),) + x.shape[-2:])
   a3, b3 = flat(a, p.a_batch), flat(b, p.b_batch)
   acc_type = _acc_dtype(p.dtype)
-  a3, b3 = sharding.mxu_operands(a3, b3)
+  a3, b3 = calls.mxu_operands(a3, b3)
   acc = lax.dot_general(a3, b3, _dot_dims(3, 3, p.transpose_a, p.transpose_b), precision=p.precision,
                         preferred_element_type=acc_type)
   nb = acc.shape[0]
@@ -435,7 +435,7 @@ def _kernel(*refs, p: _Problem, plan: _Plan):
       kb = 1 if p.transpose_b else 0
       x = _zero_tail(x, ka, valid)
       y = _zero_tail(y, kb, valid)
-    x, y = sharding.mxu_operands(x, y)
+    x, y = calls.mxu_operands(x, y)
     return lax.dot_general(x, y, dims, precision=p.precision, preferred_element_type=acc_dtype)
 
   def finish(acc):
@@ -533,7 +533,7 @@ def _pallas_matmul(a, b, bias, seed, a_scale, b_scale, *, p: _Problem, plan: _Pl
   cost = pl.CostEstimate(
       flops=2 * plan.nbatch * p.m * p.n * p.k, transcendentals=0,
       bytes_accessed=isz * (a.size + b.size) + jnp.dtype(p.out_dtype).itemsize * plan.nbatch * p.m * p.n)
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_kernel, p=p, plan=plan),
       grid_spec=grid_spec, out_shape=out_shapes,
       compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=plan.vmem_limit),

@@ -111,7 +111,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import partition
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, check
@@ -813,7 +814,7 @@ def _pallas_forward(x, r, scale, bias, *, p: _Problem, rows: int, interpret, sav
     out_specs.append(spec)
     out_shape.append(shape)
     scratch.append(pltpu.VMEM((_n_stats(p), rows, 1), jnp.float32))
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       functools.partial(_forward_kernel, p=p, rows=rows, native_add=not interpret), grid=grid,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=limit),
@@ -862,7 +863,7 @@ def _pallas_backward(h, dy, dh, scale, stats, *, p: _Problem, rows: int, interpr
   else:
     kernel = functools.partial(_backward_kernel, p=p, rows=rows)
     scratch = [] if wide else [pltpu.VMEM(_acc_shape(p.hidden, p.dtype), jnp.float32)] * n_sums
-  call = sharding.pallas_call(
+  call = calls.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=limit),
       cost_estimate=pl.CostEstimate(flops=12 * p.n_rows * p.hidden, transcendentals=p.n_rows,
@@ -901,8 +902,38 @@ def _pallas_path(x, r, scale, bias, *, p: _Problem, blocks: BlockSizes, interpre
   return f(x, r, scale, bias)
 
 
+def _split_hidden(kind, x, scale, bias, residual, eps, axes):
+  """The norm of rows whose hidden axis is split over mesh ``axes`` (inside the shard_map): each
+  device sums its part of each row's moments, one small ``psum`` per moment adds them up, and the
+  normalisation stays local. XLA fuses it: one read for the moments, one read and write for y."""
+  h = x if residual is None else _add(x, residual)
+  hf = h.astype(jnp.float32)
+  n = hf.shape[-1] * math.prod(lax.psum(1, a) for a in axes)
+  mean = lax.psum(hf.sum(-1, keepdims=True), axes) / n if kind == "layer" else 0.0
+  xc = hf - mean
+  rstd = lax.rsqrt(lax.psum((xc * xc).sum(-1, keepdims=True), axes) / n + eps)
+  y = xc * rstd
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  y = y.astype(x.dtype)
+  return y if residual is None else (y, h)
+
+
 def _norm(kind, x, scale, bias, residual, eps, block_sizes, implementation, interpret):
   p = _validate(kind, x, scale, bias, residual, eps)
+  rows = partition.leading_dims(x.ndim - 1) + ("embed",)
+  operands = dict(x=x, residual=residual, scale=scale, bias=bias)
+  dims = dict(x=rows, residual=rows, scale=("embed",), bias=("embed",))
+  split = partition.plan(f"{kind}_norm", operands, dims,
+                         splits={**{d: "local" for d in rows[:-1]}, "embed": "psum of the row moments"})
+  if split is not None:
+    def local(x, residual=None, scale=None, bias=None):
+      if split.of("embed"):
+        return _split_hidden(kind, x, scale, bias, residual, eps, split.of("embed"))
+      return _norm(kind, x, scale, bias, residual, eps, block_sizes, implementation, interpret)
+    return split.run(local, operands, dims, (rows, rows) if residual is not None else rows)
   blocks = _check_blocks(block_sizes)
   row = _row_shape(p.hidden, p.dtype)
   flat = lambda a: None if a is None else a.reshape((p.n_rows,) + row)  # noqa: E731  (free reshapes)

@@ -3,7 +3,7 @@
 Usage: ``python -m kernels.perf.compile_worker FILE GENERATION [compile|estimate]`` compiles
 one program and prints one JSON line; ``python -m kernels.perf.compile_worker --serve``
 compiles without the profiler, one program per line of stdin (``FILE GENERATION
-[TOPOLOGY AXES SHAPE]``, the last three for a multi-chip program: see ``tpu.tpu_mesh``),
+[TOPOLOGY AXES SHAPE [explicit]]``, the last ones for a multi-chip program: see ``tpu.tpu_mesh``),
 answering each with one JSON line, until stdin closes.
 
 ``compile`` runs without the static profiler (TPU v4, which the profiler cannot model,
@@ -31,8 +31,9 @@ def compile_one(path: str, generation: str, topology: str = "") -> dict:
     exp = export.deserialize(bytearray(fh.read()))
   avals = exp.in_avals
   if topology:  # a multi-chip program: its arguments sharded as exported, on the same topology's mesh
-    name, axes, shape = topology.split()
-    mesh = tpu.tpu_mesh(name, tuple(axes.split(",")), tuple(int(d) for d in shape.split(",")))
+    name, axes, shape, *kind = topology.split()
+    mesh = tpu.tpu_mesh(name, tuple(axes.split(",")), tuple(int(d) for d in shape.split(",")),
+                        explicit=kind == ["explicit"])
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in zip(avals, exp.in_shardings_jax(mesh))]
   args, kwargs = jax.tree.unflatten(exp.in_tree, avals)
   try:

@@ -106,11 +106,13 @@ def available() -> bool:
 
 
 @functools.cache
-def tpu_mesh(topology: str, axis_names: tuple[str, ...] = ("x",), shape: tuple[int, ...] | None = None):
+def tpu_mesh(topology: str, axis_names: tuple[str, ...] = ("x",), shape: tuple[int, ...] | None = None, *,
+             explicit: bool = False):
   """A :class:`jax.sharding.Mesh` of compile-only TPU devices of a multi-chip ``topology`` (e.g.
   ``"v5e:2x4"``, Kaggle's v5e-8; ``"v5p:2x2x2"``), its devices in the topology's order reshaped to
-  ``shape`` (default: one axis). Give :func:`compile_for_tpu` arguments sharded on it
-  (``jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec))``) to compile a multi-chip program."""
+  ``shape`` (default: one axis); its axes are ``AxisType.Explicit`` if ``explicit``, else Auto. Give
+  :func:`compile_for_tpu` arguments sharded on it (``jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh,
+  spec))``) to compile a multi-chip program."""
   from jax.experimental import topologies
   with _lock, _quiet_stderr():
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
@@ -118,8 +120,9 @@ def tpu_mesh(topology: str, axis_names: tuple[str, ...] = ("x",), shape: tuple[i
   if int(np.prod(shape)) != len(devices) or len(shape) != len(axis_names):
     raise KernelError("shape", shape, f"must have one size per axis name {axis_names} and hold the "
                       f"{len(devices)} devices of {topology}")
-  mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(axis_names))
-  _mesh_topology[mesh] = f"{topology} {','.join(axis_names)} {','.join(map(str, shape))}"
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(axis_names), axis_types=(kind,) * len(shape))
+  _mesh_topology[mesh] = f"{topology} {','.join(axis_names)} {','.join(map(str, shape))}" + (" explicit" if explicit else "")
   return mesh
 
 

@@ -122,7 +122,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.scan import chunked_bwd as _ssd_bwd
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import TilingError, check
@@ -543,7 +543,7 @@ def _pallas_forward(x, scale, logdecay, B, C, D, h0, reset, *, p: _Problem, plan
     out_specs.append(pl.BlockSpec((None, None, hb * P, N), lambda b, h, c: (b, c, h, 0)))
     out_shape.append(jax.ShapeDtypeStruct((p.batch, nc, H * P, N), p.dtype))
     bytes_accessed += p.batch * nc * H * P * N * p.dtype.itemsize
-  out = sharding.pallas_call(
+  out = calls.pallas_call(
       functools.partial(_forward_kernel, p=p, plan=plan, save_states=save_states),
       grid=plan.grid(p),
       in_specs=in_specs,

@@ -71,7 +71,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import target_chip
 from kernels.base.hardware import get_chip
@@ -335,7 +335,7 @@ def backward(x, scale, logdecay, B, C, D, reset, states, dy, dhT, *, p, plan, in
   isz = p.dtype.itemsize
   bytes_accessed = (3 * x.size + 2 * B.size + states.size) * isz + 2 * p.batch * nhb * gb * N * p.seq * 4 \
       + 2 * p.batch * H * P * N * 4
-  out = sharding.pallas_call(
+  out = calls.pallas_call(
       functools.partial(_backward_kernel, p=p, plan=plan),
       grid=(p.batch, nhb, nc),
       in_specs=in_specs,

@@ -99,7 +99,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, TilingError, check
@@ -674,7 +674,7 @@ def _bytes(p: _Problem, backward: bool) -> int:
 
 def _call(kernel, *, p: _Problem, plan: _Plan, backward: bool, interpret, **kw):
   """The pallas_call of one of the kernels on ``plan``'s grid (its specs, shapes and scratch in ``kw``)."""
-  return sharding.pallas_call(
+  return calls.pallas_call(
       functools.partial(kernel, p=p, tc=plan.tc, wb=plan.wb, n_chunks=plan.grid(p)[2]), grid=plan.grid(p),
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS,
                                            vmem_limit_bytes=_limit(p, plan, backward)),

@@ -96,7 +96,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.base import sharding
+from kernels.base import calls
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import check
@@ -463,7 +463,7 @@ def _cost(p, plan, passes, extra_bytes=0):
 def _ends(x3, a, b, *, p, plan, checkpoint, interpret):
   seq, full, row, _, _ = _specs(plan, False)
   n = plan.n
-  return sharding.pallas_call(
+  return calls.pallas_call(
       functools.partial(_forward_kernel, plan=plan, p=p, mode="ends", save_all=False), grid=plan.grid,
       in_specs=[seq(p.d_in), full((n, n)), full((p.d_in, n))], out_specs=row,
       out_shape=jax.ShapeDtypeStruct((plan.rows, n), jnp.float32),
@@ -481,7 +481,7 @@ def _outputs(x3, a, b, c, starts, *, p, plan, save_all, checkpoint, interpret):
   if save_all:
     out_shape.append(jax.ShapeDtypeStruct((plan.rows, plan.s, n), jnp.float32))
     out_specs.append(seq(n))
-  outs = sharding.pallas_call(
+  outs = calls.pallas_call(
       functools.partial(_forward_kernel, plan=plan, p=p, mode="out", save_all=save_all), grid=plan.grid,
       in_specs=[seq(p.d_in), full((n, n)), full((p.d_in, n)), full((n, p.d_out)), row],
       out_specs=out_specs, out_shape=out_shape,
@@ -495,7 +495,7 @@ def _outputs(x3, a, b, c, starts, *, p, plan, save_all, checkpoint, interpret):
 def _bwd_ends(dy3, ct, at, *, p, plan, checkpoint, interpret):
   seq, full, row, _, _ = _specs(plan, True)
   n = plan.n
-  return sharding.pallas_call(
+  return calls.pallas_call(
       functools.partial(_backward_kernel, plan=plan, p=p, mode="ends", checkpoint=checkpoint), grid=plan.grid,
       in_specs=[seq(p.d_out), full((p.d_out, n)), full((n, n))], out_specs=row,
       out_shape=jax.ShapeDtypeStruct((plan.rows, n), jnp.float32),
@@ -509,7 +509,7 @@ def _grads(dy3, ct, at, gnext, x3, a, b, bt, hin, *, p, plan, checkpoint, interp
   n, nr = plan.n, plan.grid[0]
   hin_spec = chunk_row if checkpoint else seq(n)
   f32 = jnp.float32
-  return sharding.pallas_call(
+  return calls.pallas_call(
       functools.partial(_backward_kernel, plan=plan, p=p, mode="grads", checkpoint=checkpoint), grid=plan.grid,
       in_specs=[seq(p.d_out), full((p.d_out, n)), full((n, n)), row, seq(p.d_in), full((n, n)), full((p.d_in, n)),
                 full((n, p.d_in)), hin_spec],
