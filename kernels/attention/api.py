@@ -188,6 +188,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.attention.backward import _pallas_backward
 from kernels.attention.forward import _pallas_forward
@@ -555,6 +556,62 @@ def _check_blocks(block_sizes):
                     "must be None, a BlockSizes or a (block_q, block_kv[, block_q_bwd, block_kv_bwd]) tuple")
 
 
+# ---------------------------------------------------------------------------------
+# On a mesh (kernels.base.partition)
+# ---------------------------------------------------------------------------------
+
+_SPLITS = {"batch": "local", "heads": "local", "seq": "ring attention (kernels.distributed.ring_attention)"}
+
+
+def _on_mesh(p, q, k, v, seg_q, seg_kv, bias, mask, sinks, dropout_key, options):
+  """:func:`flash_attention` split over a mesh, or None where nothing is split.
+
+  Batch and heads split locally (a kv head stays with its q heads: GQA groups are contiguous; a
+  single kv head is replicated). A split sequence (q's and k/v's, over one mesh axis) runs ring
+  attention, zig-zag balanced when causal. Dense ``bias`` and ``mask`` split along batch and heads
+  only; dropout's mask is a function of global indices, so it cannot be drawn per shard."""
+  seq = ("batch", "seq", "heads", None) if p.layout == "BSHD" else ("batch", "heads", "seq", None)
+  kv = tuple(None if n == "heads" and p.kvh == 1 and p.h > 1 else n for n in seq)
+
+  def dense(x):  # [batch?, heads?, q_len, kv_len], broadcast dims (size 1) never split
+    if x is None:
+      return ()
+    names = ("batch", "heads", None, None)[-x.ndim:]
+    return tuple(n if x.shape[i] > 1 else None for i, n in enumerate(names))
+  operands = dict(q=q, k=k, v=v, seg_q=seg_q, seg_kv=seg_kv if seg_kv is not seg_q else None, bias=bias,
+                  mask=mask, sinks=sinks)
+  dims = dict(q=seq, k=kv, v=kv, seg_q=("batch", "seq"), seg_kv=("batch", "seq"), bias=dense(bias),
+              mask=dense(mask), sinks=("heads",))
+  split = partition.plan("flash_attention", operands, dims, splits=_SPLITS)
+  if split is None:
+    return None
+  check(not (options["dropout_rate"] and split.axes), "dropout_rate", options["dropout_rate"],
+        "flash_attention on a mesh cannot draw the single-device dropout mask per shard")
+  ring = split.of("seq")
+  if ring:
+    check(len(ring) == 1, "q", q, f"the sequence is split over {ring}: ring attention runs over one mesh axis")
+    for name in ("logits_soft_cap", "rope", "return_residuals"):
+      check(not options[name], name, options[name], "is not supported with a split sequence (ring attention)")
+    for name, x in (("bias", bias), ("mask", mask), ("sinks", sinks)):
+      check(x is None, name, x, "is not supported with a split sequence (ring attention): a dense "
+            "[q_len, kv_len] array would be all-gathered; use causal, sliding_window or segment_ids")
+
+  def local(q, k, v, seg_q=None, seg_kv=None, bias=None, mask=None, sinks=None):
+    segs = None if seg_q is None else seg_q if seg_kv is None else (seg_q, seg_kv)
+    if ring:
+      if isinstance(segs, tuple):
+        check(False, "segment_ids", segs, "ring attention takes one segment_ids array (self-attention)")
+      return partition.collective("flash_attention.seq")(
+          q, k, v, axis_name=ring[0], causal=options["causal"], segment_ids=segs,
+          sliding_window=options["sliding_window"], scale=options["scale"], layout=options["layout"],
+          block_sizes=options["block_sizes"], implementation=options["implementation"],
+          interpret=options["interpret"])
+    return flash_attention(q, k, v, segment_ids=segs, bias=bias, mask=mask, sinks=sinks, dropout_key=dropout_key,
+                           **options)
+  out_dims = (seq, ("batch", "heads", "seq")) if options["return_residuals"] else seq
+  return split.run(local, operands, dims, out_dims)
+
+
 def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=None, logits_soft_cap=None,
                     scale=None, bias=None, mask=None, sinks=None, dropout_rate=0.0, dropout_key=None,
                     layout="BSHD", return_residuals=False, rope=None, block_sizes=None, implementation=None,
@@ -602,6 +659,12 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sliding_window=N
   check(isinstance(return_residuals, bool), "return_residuals", return_residuals, "must be a bool")
   p = _with_rope(p, rope)
   blocks = _check_blocks(block_sizes)
+  options = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                 dropout_rate=dropout_rate, layout=layout, return_residuals=return_residuals, rope=rope,
+                 block_sizes=block_sizes, implementation=implementation, interpret=interpret)
+  sharded = _on_mesh(p, q, k, v, seg_q, seg_kv, bias, mask, sinks, dropout_key, options)
+  if sharded is not None:
+    return sharded
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
 
   def xla(q, k, v, sinks, bias, seg_q, seg_kv, mask, seed):

@@ -84,6 +84,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import check
@@ -510,6 +511,17 @@ def rope(x, positions=None, *, theta=10000.0, rotary_dim=None, interleaved=False
   blocks = _check_blocks(block_sizes)
   if x.size == 0:  # no tokens, batch or heads: nothing to rotate
     return x
+  dims = ("batch", "seq", "heads", None)
+  split = partition.plan("rope", dict(x=x, positions=positions), dict(x=dims, positions=("batch", "seq")),
+                         splits={"batch": "local", "seq": "local (with the global positions)", "heads": "local"})
+  if split is not None:
+    if split.of("seq") and positions is None:  # each shard rotates by its tokens' global positions
+      positions = jnp.broadcast_to(jnp.arange(p.seq, dtype=jnp.int32), (p.batch, p.seq))
+      max_position = max_position or p.seq
+    return split.run(lambda x, positions=None: rope(
+        x, positions, theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, scaling=scaling,
+        max_position=max_position, block_sizes=block_sizes, implementation=implementation, interpret=interpret),
+        dict(x=x, positions=positions), dict(x=dims, positions=("batch", "seq")), dims)
   cos, sin = _cos_sin(p, positions, theta, interleaved, scaling, max_position)
   return dispatch(
       "rope", x, cos, sin,

@@ -220,3 +220,21 @@ def leading_dims(n: int) -> tuple[str, ...]:
   if n == 1:
     return ("batch",)
   return ("batch",) + tuple(f"batch{i}" for i in range(1, n - 1)) + ("seq",)
+
+
+# Collectives that a family's split needs but that live in kernels.distributed (built on the families,
+# so a family cannot import it): kernels.distributed registers them when it is imported, which
+# `import kernels` always does.
+_COLLECTIVES: dict[str, Callable] = {}
+
+
+def register(name: str, fn: Callable) -> Callable:
+  """Makes ``fn`` the collective called ``name`` (e.g. ``"flash_attention.seq"``: ring attention)."""
+  _COLLECTIVES[name] = fn
+  return fn
+
+
+def collective(name: str) -> Callable:
+  if name not in _COLLECTIVES:
+    raise KernelError("sharding", name, "needs kernels.distributed: `import kernels` (not only a family) first")
+  return _COLLECTIVES[name]

@@ -7,6 +7,7 @@ import numpy as np
 from jax import lax
 
 from kernels.attention import api as _attention
+from kernels.base import partition
 from kernels.base.backend import check_implementation
 from kernels.base.errors import check
 from kernels.distributed.ring import SEQUENCE_ORDERS, _axis, _from_zigzag, _shift, _slice, _to_zigzag
@@ -209,3 +210,6 @@ def _ring(q, k, v, seg, *, axis_name, n, causal, zigzag, scale, layout, block_si
   return f(q, k, v, seg)
 
 
+
+
+partition.register("flash_attention.seq", ring_attention)

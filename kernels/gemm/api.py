@@ -163,6 +163,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, check
@@ -661,6 +662,63 @@ def _fold(a, b, p: _Problem):
   return a.reshape(rows, p.k), dataclasses.replace(p, m=rows, batch=(), a_batch=(), b_batch=())
 
 
+# ---------------------------------------------------------------------------------
+# On a mesh (kernels.base.partition)
+# ---------------------------------------------------------------------------------
+
+_MATMUL_SPLITS = {"batch": "local", "seq": "local", "features": "local",
+                  "contract": "local partial products, then a psum (f32) before the epilogue"}
+
+
+def _matmul_dims(a, b, transpose_a, transpose_b):
+  """Logical names: a ``[..., rows, contract]``, b ``[..., contract, features]``, out ``[..., rows, features]``.
+  Rows are ``batch`` for a 2-D ``a``, else ``seq`` after a's batch dims (see partition.leading_dims)."""
+  lead = partition.leading_dims(a.ndim - 1)  # a's batch dims, then its rows
+  rows_a = lead + ("contract",)
+  if transpose_a:
+    rows_a = rows_a[:-2] + rows_a[:-3:-1]
+  nb = b.ndim - 2
+  b_batch = lead[:-1][-nb:] if 0 < nb <= len(lead) - 1 else (None,) * nb
+  dims_b = b_batch + (("features", "contract") if transpose_b else ("contract", "features"))
+  return rows_a, dims_b, lead + ("features",)
+
+
+def _scale_dims(s, out_dims, column: bool):
+  """A quantized matmul's scale, one per row (``column=False``) or per column, in any shape it takes:
+  ``()``, ``[n]``, ``[n, 1]`` / ``[1, n]``, or those after the batch dims."""
+  name = out_dims[-1] if column else out_dims[-2]
+  shape = tuple(getattr(s, "shape", ()))
+  if not shape:
+    return ()
+  as_vec = len(shape) >= 2 and shape[-2 if column else -1] == 1
+  k, tail = (len(shape) - 2, (None, name) if column else (name, None)) if as_vec else (len(shape) - 1, (name,))
+  batch = out_dims[:-2]
+  return (batch[len(batch) - k:] if k else ()) + tail
+
+
+def _split(op, a, b, bias, dropout_rate, operands, dims, out_dims, local_full, local_partial, epilogue):
+  """``op`` on a mesh: rows, batch and features split locally; a split contraction multiplies the
+  local slices (``local_partial``, f32), adds them up with one psum, then applies ``epilogue``."""
+  split = partition.plan(op, operands, dims, splits=_MATMUL_SPLITS)
+  if split is None:
+    return None
+  check(not (dropout_rate and split.axes), "dropout_rate", dropout_rate,
+        f"{op} on a mesh cannot draw the single-device dropout mask per shard; apply dropout after the call "
+        "(kernels.gemm.dropout_keep_mask)")
+
+  def local(**kw):
+    if not split.of("contract"):
+      return local_full(**kw)
+    return epilogue(lax.psum(local_partial(**kw), split.of("contract")), kw.get("bias"))
+  return split.run(local, operands, dims, out_dims)
+
+
+def _epilogue_xla(z, bias, activation, out_dtype):
+  if bias is not None:
+    z = z + bias.astype(jnp.float32)
+  return apply_activation(z, activation).astype(out_dtype)
+
+
 def matmul(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=None, out_dtype=None,
            precision=None, dropout_rate=0.0, dropout_key=None, block_sizes=None, implementation=None,
            interpret=None):
@@ -689,6 +747,16 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=
   p = _validate(a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, activation=activation,
                 out_dtype=out_dtype, precision=precision, dropout_rate=dropout_rate, dropout_key=dropout_key)
   blocks = _check_blocks(block_sizes)
+  dims_a, dims_b, out_dims = _matmul_dims(a, b, transpose_a, transpose_b)
+  kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, precision=precision, block_sizes=block_sizes,
+            implementation=implementation, interpret=interpret)
+  split = _split("matmul", a, b, bias, p.dropout_rate, dict(a=a, b=b, bias=bias),
+                 dict(a=dims_a, b=dims_b, bias=("features",)), out_dims,
+                 lambda a, b, bias=None: matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype, **kw),
+                 lambda a, b, bias=None: matmul(a, b, out_dtype=jnp.float32, **kw),
+                 lambda z, bias: _epilogue_xla(z, bias, p.activation, p.out_dtype))
+  if split is not None:
+    return split
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
   shape = p.batch + (p.m, p.n)
   as_stored = a.ndim == 2 and b.ndim == 2  # arrays whose TPU layout XLA picks by a known rule
@@ -773,6 +841,20 @@ def quantized_matmul(a, b, a_scale, b_scale, *, transpose_a=False, transpose_b=F
             precision=None, dropout_rate=dropout_rate, dropout_key=dropout_key)
   p, a_s, b_s = _quantized_inputs(a, b, a_scale, b_scale, kw)
   blocks = _check_blocks(block_sizes)
+  dims_a, dims_b, out_dims = _matmul_dims(a, b, transpose_a, transpose_b)
+  call = dict(transpose_a=transpose_a, transpose_b=transpose_b, block_sizes=block_sizes,
+              implementation=implementation, interpret=interpret)
+  split = _split("quantized_matmul", a, b, bias, p.dropout_rate,
+                 dict(a=a, b=b, a_scale=a_scale, b_scale=b_scale, bias=bias),
+                 dict(a=dims_a, b=dims_b, a_scale=_scale_dims(a_scale, out_dims, False),
+                      b_scale=_scale_dims(b_scale, out_dims, True), bias=("features",)), out_dims,
+                 lambda a, b, a_scale, b_scale, bias=None: quantized_matmul(
+                     a, b, a_scale, b_scale, bias=bias, activation=activation, out_dtype=out_dtype, **call),
+                 lambda a, b, a_scale, b_scale, bias=None: quantized_matmul(
+                     a, b, a_scale, b_scale, out_dtype=jnp.float32, **call),
+                 lambda z, bias: _epilogue_xla(z, bias, p.activation, p.out_dtype))
+  if split is not None:
+    return split
   seed = dropout_seed(dropout_key) if p.dropout_rate else None
   shape = p.batch + (p.m, p.n)
   folded, q = _fold(a, b, p)
