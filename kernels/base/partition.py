@@ -108,9 +108,9 @@ class Plan:
 
     ``dims`` gives each operand's logical dimension names; ``out_dims`` is a pytree of tuples with
     the result's structure (a tuple of names per output array)."""
-    names = [n for n, x in operands.items() if x is not None]
+    given = [n for n, x in operands.items() if x is not None]
     args = []
-    for n in names:
+    for n in given:
       x = operands[n]
       want = self.spec(dims[n])
       if self.explicit and hasattr(x, "shape"):
@@ -118,12 +118,13 @@ class Plan:
         if tuple(have) + (None,) * (len(x.shape) - len(have)) != tuple(want) + (None,) * (len(x.shape) - len(want)):
           x = jax.sharding.reshard(x, jax.sharding.NamedSharding(self.mesh, want))  # only ever a local slice: conflicts were rejected by plan()
       args.append(x)
-    out_specs = jax.tree.map(self.spec, out_dims, is_leaf=lambda t: isinstance(t, tuple))
+    names = lambda t: isinstance(t, tuple) and all(e is None or isinstance(e, str) for e in t)  # noqa: E731
+    out_specs = jax.tree.map(self.spec, out_dims, is_leaf=names)
 
     def body(*local_args):
-      return local(**dict(zip(names, local_args)))
+      return local(**dict(zip(given, local_args)))
 
-    f = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.spec(dims[n]) for n in names),
+    f = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self.spec(dims[n]) for n in given),
                       out_specs=out_specs, check_vma=False)
     return f(*args)
 
