@@ -65,7 +65,8 @@ def sharding(mesh, rules: Mapping[str, Any] | None = None, **named):
 
   Args:
     mesh: a ``jax.sharding.Mesh``.
-    rules, **named: logical dimension name -> a mesh axis name, a tuple of them, or None.
+    rules: logical dimension name -> a mesh axis name, a tuple of them, or None; ``named`` (keyword
+      arguments) adds more.
   """
   table = dict(rules or {}, **named)
   for name, entry in table.items():
