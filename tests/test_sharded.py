@@ -237,3 +237,23 @@ def test_replicated_parameters_get_one_gradient_reduction():
   c = _compile(mesh, jax.grad(loss, argnums=(0, 1)), [((8, 512, 1024), BF, P("data", "model")),
                                                       ((1024,), BF, P())], "v5e")
   assert collectives(c.hlo) == {"all-reduce": 1}
+
+
+def test_hlo_collectives_reads_every_replica_group_form_and_combined_results():
+  from kernels.perf import ici
+  hlo = "\n".join([
+      "  %a = bf16[8192,8192]{1,0} all-reduce(%f), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=8] "
+      "{'axis_1'}, use_global_device_ids=true",
+      "  %b = (bf16[64,128]{1,0}, f32[64]{0}) all-reduce(%x, %y), replica_groups={{0,1,2,3},{4,5,6,7}}",
+      "  %c = f32[8,128]{1,0} all-gather(%z), replica_groups=[4,2]<=[8], dimensions={0}",
+      "  %d = (bf16[2,512]{1,0}, bf16[2,512]{1,0}, u32[], u32[]) collective-permute-start(%w), "
+      "source_target_pairs={{0,1},{1,0}}",
+      "  %e = bf16[2,512]{1,0} collective-permute-done(%d)",
+  ])
+  assert ici.hlo_collectives(hlo) == [
+      {"kind": "all-reduce", "bytes": 8192 * 8192 * 2, "chips": 8},
+      {"kind": "all-reduce", "bytes": 64 * 128 * 2 + 64 * 4, "chips": 4},
+      {"kind": "all-gather", "bytes": 8 * 128 * 4, "chips": 2},
+      {"kind": "collective-permute", "bytes": 2 * 512 * 2, "chips": 2},
+  ]
+  assert ici.hlo_seconds(hlo, "v5e") > ici.all_reduce_seconds(8192 * 8192 * 2, 8, "v5e")

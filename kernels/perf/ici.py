@@ -84,3 +84,84 @@ def hiding_intensity(chip, *, links: int = 1, dtype: str = "bfloat16") -> float:
   """FLOPs per byte sent above which a step's compute hides its transfer: peak / link bandwidth."""
   chip = _chip(chip)
   return chip.peak(dtype) / (links * chip.ici_link_bandwidth)
+
+
+def all_reduce_seconds(nbytes: float, n: int, chip, *, bidirectional: bool = True) -> float:
+  """A ring all-reduce of ``nbytes`` per chip: a reduce-scatter to ``nbytes / n``, then an all-gather."""
+  return (reduce_scatter_seconds(nbytes / n, n, chip, bidirectional=bidirectional)
+          + all_gather_seconds(nbytes / n, n, chip, bidirectional=bidirectional))
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def _shape_bytes(text: str) -> int:
+  """Bytes of the first array shape in ``text`` (``bf16[2,512,8,128]{...}``)."""
+  import re
+  m = re.search(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]", text)
+  if not m or m.group(1) not in _BYTES:
+    return 0
+  dims = [int(d) for d in m.group(2).split(",") if d]
+  size = 1
+  for d in dims:
+    size *= d
+  return size * _BYTES[m.group(1)]
+
+
+def _group_size(line: str) -> int:
+  import re
+  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)  # iota form: [groups, size]
+  if m:
+    return int(m.group(1).split(",")[-1])
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)  # named form: mesh[...] {axes}
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    size = 1
+    for axis in re.findall(r"'([^']+)'", m.group(2)):
+      size *= int(sizes.get(axis, 1))
+    return size
+  m = re.search(r"source_target_pairs=", line)
+  return 2 if m else 1
+
+
+def hlo_collectives(hlo: str) -> list[dict]:
+  """The collectives of a compiled (per-chip) HLO module: kind, bytes of one chip's operand (its
+  result for all-gather), and the number of chips in each group. Async pairs count once."""
+  import re
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(",
+                  line)
+    if not m:
+      continue
+    kind, result = m.group(2), m.group(1)
+    if m.group(3):  # an async start's (operand, result, ...) tuple: the operand comes first
+      nbytes = _shape_bytes(result)
+    else:  # a combined collective's result is a tuple of all its operands
+      nbytes = sum(_shape_bytes(t) for t in re.findall(r"[a-z]+[0-9]*[a-z0-9]*\[[0-9,]*\]", result))
+    found.append({"kind": kind, "bytes": nbytes, "chips": _group_size(line)})
+  return found
+
+
+def hlo_seconds(hlo: str, chip, *, trips: int = 1) -> float:
+  """The communication model's seconds for every collective of a compiled program, run one after
+  another (no overlap with compute); ``trips`` multiplies collectives inside a loop body the HLO lists
+  once (the caller knows the trip count). A lower-level view than the schedule-aware models above."""
+  total = 0.0
+  for c in hlo_collectives(hlo):
+    n, b = c["chips"], c["bytes"]
+    if c["kind"] == "all-reduce":
+      total += all_reduce_seconds(b, n, chip)
+    elif c["kind"] == "all-gather":
+      total += all_gather_seconds(b / n, n, chip)
+    elif c["kind"] == "reduce-scatter":
+      total += reduce_scatter_seconds(b, n, chip)
+    elif c["kind"] == "all-to-all":
+      total += all_to_all_seconds(b, n, chip)
+    else:
+      total += ppermute_seconds(b, chip)
+  return total * trips
