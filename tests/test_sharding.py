@@ -76,3 +76,16 @@ def test_check_vma_false_shard_map_still_runs_in_interpret_mode():
                     in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
   np.testing.assert_allclose(np.asarray(jax.jit(f)(x, s)), np.asarray(kernels.rms_norm_reference(x, s)),
                              atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.tpu_aot
+def test_ring_attention_inside_a_user_shard_map_with_check_vma_compiles_forward_and_backward():
+  from kernels import distributed as dist
+  from kernels.perf import tpu
+  mesh = tpu.tpu_mesh("v5e:2x4", ("x",), (8,))
+  q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "x")))
+  f = jax.shard_map(lambda q, k, v: dist.ring_attention(q, k, v, axis_name="x", causal=True), mesh=mesh,
+                    in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"))  # check_vma=True, JAX's default
+  assert "collective-permute" in _compile(f, q, q, q)
+  loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+  assert "collective-permute" in _compile(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)

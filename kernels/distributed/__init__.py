@@ -6,8 +6,15 @@ mesh axis ``axis_name`` through JAX's collectives (``lax.ppermute``, ``lax.all_g
 ``lax.all_to_all``, ``lax.ragged_all_to_all``) or, in :func:`ring_all_gather`, Pallas remote DMAs.
 The local work is this package's single-chip kernels (:func:`kernels.flash_attention`,
 :func:`kernels.matmul`, :func:`kernels.linear_scan`, :func:`kernels.gmm`), so ``implementation=`` and
-``interpret=`` pass straight through to them. Wrap the call in ``jax.shard_map(..., check_vma=False)``,
-as any ``pallas_call`` needs.
+``interpret=`` pass straight through to them. Call them inside ``jax.shard_map``: with JAX's default
+``check_vma=True`` when compiled for TPU (each ``pallas_call`` declares its outputs' varying axes,
+:mod:`kernels.base.calls`), and with ``check_vma=False`` in interpret mode on a CPU, whose interpreters
+cannot follow varying axes into a kernel body yet.
+
+The public kernels use these by themselves under ``jit`` on a mesh (:mod:`kernels.base.partition`):
+a split sequence in :func:`kernels.flash_attention` runs :func:`ring_attention`, in
+:func:`kernels.linear_scan` and :func:`kernels.ssd` the sequence-parallel scans, and split experts in
+:func:`kernels.moe` :func:`expert_parallel_moe`. Call them directly to choose the schedule yourself.
 
 Why a ring
 ----------
