@@ -244,6 +244,8 @@ def test_hlo_collectives_reads_every_replica_group_form_and_combined_results():
   hlo = "\n".join([
       "  %a = bf16[8192,8192]{1,0} all-reduce(%f), channel_id=1, replica_groups=mesh['axis_0'=1,'axis_1'=8] "
       "{'axis_1'}, use_global_device_ids=true",
+      "  %r = f32[8192]{0} all-reduce(%f), replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], "
+      "device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true",
       "  %b = (bf16[64,128]{1,0}, f32[64]{0}) all-reduce(%x, %y), replica_groups={{0,1,2,3},{4,5,6,7}}",
       "  %c = f32[8,128]{1,0} all-gather(%z), replica_groups=[4,2]<=[8], dimensions={0}",
       "  %d = (bf16[2,512]{1,0}, bf16[2,512]{1,0}, u32[], u32[]) collective-permute-start(%w), "
@@ -252,6 +254,7 @@ def test_hlo_collectives_reads_every_replica_group_form_and_combined_results():
   ])
   assert ici.hlo_collectives(hlo) == [
       {"kind": "all-reduce", "bytes": 8192 * 8192 * 2, "chips": 8},
+      {"kind": "all-reduce", "bytes": 8192 * 4, "chips": 4},
       {"kind": "all-reduce", "bytes": 64 * 128 * 2 + 64 * 4, "chips": 4},
       {"kind": "all-gather", "bytes": 8 * 128 * 4, "chips": 2},
       {"kind": "collective-permute", "bytes": 2 * 512 * 2, "chips": 2},

@@ -667,7 +667,7 @@ def _fold(a, b, p: _Problem):
 # ---------------------------------------------------------------------------------
 
 _MATMUL_SPLITS = {"batch": "local", "seq": "local", "features": "local",
-                  "contract": "local partial products, then a psum (f32) before the epilogue"}
+                  "contract": "local partial products, then a psum before the epilogue"}
 
 
 def _matmul_dims(a, b, transpose_a, transpose_b):
@@ -698,7 +698,8 @@ def _scale_dims(s, out_dims, column: bool):
 
 def _split(op, a, b, bias, dropout_rate, operands, dims, out_dims, local_full, local_partial, epilogue):
   """``op`` on a mesh: rows, batch and features split locally; a split contraction multiplies the
-  local slices (``local_partial``, f32), adds them up with one psum, then applies ``epilogue``."""
+  local slices (``local_partial``: f32 partial products when an epilogue follows, else the output
+  dtype), adds them up with one psum, then applies ``epilogue``."""
   split = partition.plan(op, operands, dims, splits=_MATMUL_SPLITS)
   if split is None:
     return None
@@ -753,7 +754,10 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False, bias=None, activation=
   split = _split("matmul", a, b, bias, p.dropout_rate, dict(a=a, b=b, bias=bias),
                  dict(a=dims_a, b=dims_b, bias=("features",)), out_dims,
                  lambda a, b, bias=None: matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype, **kw),
-                 lambda a, b, bias=None: matmul(a, b, out_dtype=jnp.float32, **kw),
+                 # without an epilogue, the partial products are summed in the output dtype, as XLA's
+                 # partitioned a @ b does (and as XLA:TPU narrows an f32 sum followed by a cast anyway)
+                 lambda a, b, bias=None: matmul(a, b, out_dtype=jnp.float32 if bias is not None or activation
+                                                else out_dtype, **kw),
                  lambda z, bias: _epilogue_xla(z, bias, p.activation, p.out_dtype))
   if split is not None:
     return split

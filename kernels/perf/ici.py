@@ -117,7 +117,7 @@ def _group_size(line: str) -> int:
   m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)  # iota form: [groups, size]
   if m:
     return int(m.group(1).split(",")[-1])
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)  # named form: mesh[...] {axes}
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\S*\))?\s*\{([^}]*)\}", line)  # mesh[...] {axes}
   if m:
     sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
     size = 1
@@ -147,12 +147,12 @@ def hlo_collectives(hlo: str) -> list[dict]:
   return found
 
 
-def hlo_seconds(hlo: str, chip, *, trips: int = 1) -> float:
-  """The communication model's seconds for every collective of a compiled program, run one after
-  another (no overlap with compute); ``trips`` multiplies collectives inside a loop body the HLO lists
-  once (the caller knows the trip count). A lower-level view than the schedule-aware models above."""
+def collectives_seconds(collectives: list[dict], chip, *, trips: int = 1) -> float:
+  """The communication model's seconds for :func:`hlo_collectives`' list, run one after another (no
+  overlap with compute); ``trips`` multiplies collectives inside a loop body the HLO lists once (the
+  caller knows the trip count). A lower-level view than the schedule-aware models above."""
   total = 0.0
-  for c in hlo_collectives(hlo):
+  for c in collectives:
     n, b = c["chips"], c["bytes"]
     if c["kind"] == "all-reduce":
       total += all_reduce_seconds(b, n, chip)
@@ -165,3 +165,8 @@ def hlo_seconds(hlo: str, chip, *, trips: int = 1) -> float:
     else:
       total += ppermute_seconds(b, chip)
   return total * trips
+
+
+def hlo_seconds(hlo: str, chip, *, trips: int = 1) -> float:
+  """:func:`collectives_seconds` of a compiled program's HLO."""
+  return collectives_seconds(hlo_collectives(hlo), chip, trips=trips)
