@@ -209,13 +209,21 @@ def distributed(v, axis: int, names: tuple, k: int, *, inverse: bool, norm, kw):
   lead = first.shape[:axis] + first.shape[axis + 1:]
   rows, length = math.prod(lead), first.shape[axis]
   v = _map(v, lambda a: jnp.moveaxis(a, axis, -1).reshape(rows, length))
+  joined = not isinstance(v, tuple) and jnp.iscomplexobj(v)
+  if joined:  # XLA splits a complex collective into two: move (real, imag) planes, stacked, in one
+    v = (jnp.real(v), jnp.imag(v))
   if rows % k == 0:  # the pencil: full rows of a slice of the batch
     v = _all_to_all(v, names, 0, 1)  # [rows / k, N]
     v = fn(v, None, -1, norm, **kw)
+    if not isinstance(v, tuple):  # a real input's complex spectrum
+      v, joined = (jnp.real(v), jnp.imag(v)), True
     v = _all_to_all(v, names, 1, 0)  # [rows, N / k]
   else:
+    if not isinstance(v, tuple):  # real input
+      v, joined = (v.astype(jnp.float32), jnp.zeros(v.shape, jnp.float32)), True
     v = _four_step(v, names, k, rows, length * k, inverse=inverse, norm=norm, kw=kw)
-  return _map(v, lambda a: jnp.moveaxis(a.reshape(lead[:axis] + lead[axis:] + (length,)), -1, axis))
+  v = _map(v, lambda a: jnp.moveaxis(a.reshape(lead[:axis] + lead[axis:] + (length,)), -1, axis))
+  return lax.complex(*v) if joined else v
 
 
 def factors(n: int, k: int):
@@ -237,8 +245,6 @@ def _four_step(v, names, k, rows, n, *, inverse, norm, kw):
                       f"decomposition that serves this needs {k}^2 to divide {n}. Split another dimension or "
                       "fewer devices along the transformed one")
   n1, n2 = nf
-  if not isinstance(v, tuple) and not jnp.issubdtype(v.dtype, jnp.complexfloating):
-    v = v.astype(jnp.float32), jnp.zeros(v.shape, jnp.float32)
   unscaled = dict(norm="forward" if inverse else "backward", **kw)
   fn = T.ifft if inverse else T.fft
   v = _map(v, lambda a: a.reshape(rows, n1 // k, n2))  # n = N2 n1 + n2; this device: a slice of n1
@@ -252,11 +258,8 @@ def _four_step(v, names, k, rows, n, *, inverse, norm, kw):
   d = lax.axis_index(names)
   tw = lax.dynamic_slice_in_dim(table, d * (n2 // k), n2 // k, axis=2)
   c, s = tw[0], tw[1]
-  if isinstance(v, tuple):
-    r, i = v
-    v = (r * c - i * s, r * s + i * c)
-  else:
-    v = v * lax.complex(c, s)
+  r, i = v  # planes
+  v = (r * c - i * s, r * s + i * c)
   v = _all_to_all(v, names, 1, 2)  # [rows, N1 / k, N2]: a slice of k1, every n2
   v = fn(v, None, 2, **unscaled)  # -> k2; X[k1 + N1 k2]
   v = _all_to_all(v, names, 2, 1)  # [rows, N1, N2 / k]: every k1, a slice of k2 (natural order is k2-major)
