@@ -1042,6 +1042,12 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     block_sizes: a :class:`BlockSizes`; None for the per-generation default.
     implementation, interpret: see :func:`kernels.dispatch`.
 
+  On a mesh (explicitly sharded arrays, or :func:`kernels.sharding` rules) the logical dimensions
+  are x ``(batch, height, width, channels)``, w ``(-, -, channels, features)``, bias ``(features,)``:
+  batch and features split locally; channels split gives a partial convolution per device and one
+  f32 psum, then bias and activation; height / width split exchange halos with the neighbours
+  (``ppermute``; stride 1 and "SAME"-size padding on that axis only). See ``_split_conv``.
+
   Returns:
     ``[batch, ho, wo, cout]``. Differentiable in ``x``, ``w`` and ``bias`` (see the module doc
     for which kernels the backward pass uses).
