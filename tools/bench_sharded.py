@@ -35,7 +35,6 @@ import kernels  # noqa: E402  (first: enables the cost model)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from kernels.base import env as _env  # noqa: E402

@@ -38,7 +38,6 @@ import functools
 import inspect
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -80,7 +79,7 @@ def _axis_name(i: int) -> str:
 def partitioned(op: str):
   """Wraps the public transform ``op``: :func:`~kernels.base.partition.plan`, and a local function
   (the transform itself, or the pencil for a split transformed axis) run in one ``shard_map``."""
-  inverse, real_in, real_out, two_d = _OPS[op]
+  _, real_in, real_out, two_d = _OPS[op]
 
   def deco(f):
     sig = inspect.signature(f)
@@ -164,7 +163,7 @@ def _split_transform(op, v, axes, sizes, mesh_axes, ks, norm, kw):
   """``op`` inside the shard_map: the transforms along ``axes`` one at a time, as the single-device
   function orders them, each local or (split axis) the pencil / four-step."""
   from kernels.fourier import transforms as T
-  inverse, real_in, real_out, _ = _OPS[op]
+  inverse = _OPS[op][0]
   if op in ("fft", "ifft", "fft2", "ifft2"):
     steps = [(ax, n, "ifft" if inverse else "fft") for ax, n in zip(axes, sizes)][::-1]
   elif op in ("rfft", "rfft2"):
