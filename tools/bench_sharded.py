@@ -17,6 +17,22 @@ Cases:
   partitioned by XLA; its per-chip compute is the cost model's profile of the partitioned program
   itself (compiled in process with the profiler: minutes).
 
+Result (2026-12-08; the full run was cut short on a loaded 2-core host, so the pieces were taken
+separately: the collectives by :func:`collectives` on both compiled programs, XLA's compute from
+:func:`_profiled_partitioned` alone, ours from the same ``[8, 65536]`` kernel estimate in
+``kernels/data/fft_bench.json`` (case fft65536, ours, highest) plus the plane split / join passes at
+the HBM floor, 4 x 4 MiB)::
+
+    fft [64, 65536] complex64, transformed axis split over 8 chips: compiler estimate (floored) + ICI model, v5e 2x4
+    program                                   compute us   ICI us  total us  collectives
+    kernels.fft (pencil)                          ~76.1     223.2    ~299    2 x all-to-all 4 MiB / 8
+    XLA jnp.fft.fft, partitioned by XLA           181.8    1043.1    1225    1 x all-reduce 48 MiB / 8
+    speed-up ~4.1x (target >= 1.5x)
+
+XLA partitions its FFT as a DFT by matmuls whose contraction runs over the split axis: every chip
+computes partial sums for all 65536 outputs of all 64 rows, all-reduces them (three f32
+``[64, 256, 256]``, 48 MiB a chip) and keeps its slice; the pencil moves 4 MiB twice.
+
 Usage: ``python tools/bench_sharded.py [--case fft]`` (a few GB; run under
 ``flock /tmp/tpu-heavy.lock nice -n 10`` next to other estimates).
 """
