@@ -11,6 +11,11 @@ and priced the same way, without overlap unless the schedule overlaps them (ring
 * ``rms_norm``: [8192, 8192] bf16, the hidden axis split over 4 (``model`` of a (2, 4) mesh).
 * ``attention``: causal, 32768 tokens, 8 heads of 128, the sequence split over 8: ring attention
   against the all-gathered baseline, composed from one chip's block estimates.
+* ``fft``: ``[64, 65536]`` complex64, the transformed axis split over 8: the pencil decomposition
+  (two all-to-alls around the single-chip kernel on full rows) against XLA's partitioned
+  ``jnp.fft.fft``. Ours: one chip's program with the all-to-alls taken out, estimated; XLA's: the
+  partitioned program itself, compiled in this process with the profiler (the cost model charges its
+  collectives nothing, and they are priced from its HLO like ours).
 * ``local``: each local split's compiled per-chip kernel against the single-chip kernel at the local
   shape (the same Mosaic kernel, operand shapes and no collective).
 
@@ -20,6 +25,7 @@ few GB each: run under ``nice``).
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import sys
@@ -33,7 +39,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from kernels.attention.api import flash_attention  # noqa: E402
-from kernels.perf import ici, tpu  # noqa: E402
+from kernels.base import env as _env  # noqa: E402
+from kernels.base.backend import target  # noqa: E402
+from kernels.base.hardware import get_chip  # noqa: E402
+from kernels.perf import ici, tpu, traffic  # noqa: E402
 from tools import results  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "kernels", "data", "sharded_bench.json")
@@ -130,6 +139,54 @@ def attention(table):
     results.save(table, OUT)
 
 
+def _profiled_partitioned(fn, *args, generation="v5e"):
+  """The floored compiler estimate (us) of one chip of a multi-chip program, compiled in this process
+  with the profiler (compile_for_tpu compiles multi-chip programs without it), and its HLO."""
+  folder = _env.STATIC_PROFILE_DIR
+  if folder is None:
+    raise SystemExit("the static cost model is off in this process (import kernels before JAX starts)")
+  chip = get_chip(generation)
+  for path in glob.glob(os.path.join(folder, "*")):
+    os.remove(path)
+  with target(chip):
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+  ops = tpu._read_profile(folder)
+  t = traffic.hlo_traffic(hlo, {})
+  cycles = sum(c * t.multiplicity.get(n, 1) for n, c in ops.items())
+  return {"us": max(cycles / chip.clock_hz, t.hbm_bytes / chip.hbm_bandwidth) * 1e6,
+          "model_us": cycles / chip.clock_hz * 1e6, "hbm_bytes": t.hbm_bytes}, hlo
+
+
+def fft(table):
+  rows, n = 64, 65536
+  gen = "v5e"
+  key = f"{gen}/fft"
+  if key in table:
+    return
+  print(key, flush=True)
+  mesh = tpu.tpu_mesh(TOPOLOGIES[gen], ("data", "model"), (2, 4), explicit=True)
+  spec = P(None, ("data", "model"))
+  x = _sds(rows, n, dtype=jnp.complex64, mesh=mesh, spec=spec)
+  # (planes out: libtpu cannot import an exported explicit-mesh program with a complex result)
+  planes = lambda y: (jnp.real(y), jnp.imag(y))  # noqa: E731
+  rec = {"ours": _comm(lambda x: planes(kernels.fft(x)), (x,), gen)}
+
+  def local(x):  # one chip's program, the all-to-alls taken out (the same bytes in and out)
+    v = jnp.stack([jnp.real(x), jnp.imag(x)]).reshape(2, rows // N, n)
+    yr, yi = kernels.fft((v[0], v[1]))
+    v = jnp.stack([yr, yi]).reshape(2, rows, n // N)
+    return v[0], v[1]
+  rec["ours"]["compute"] = _estimate(local, (_sds(rows, n // N, dtype=jnp.complex64),), gen)
+  auto = tpu.tpu_mesh(TOPOLOGIES[gen], ("data", "model"), (2, 4))
+  sh = NamedSharding(auto, spec)
+  compute, hlo = _profiled_partitioned(jax.jit(jnp.fft.fft, out_shardings=sh),
+                                       jax.ShapeDtypeStruct((rows, n), jnp.complex64, sharding=sh), generation=gen)
+  rec["xla"] = {"collectives": ici.hlo_collectives(hlo), "compute": compute}
+  print(f"  {gen}: XLA {compute['us']:.1f} us (compiler estimate of the partitioned program)", flush=True)
+  table[key] = rec
+  results.save(table, OUT)
+
+
 def _kernel_calls(hlo):
   """Each Mosaic call of a compiled program: its result and operand shapes (the custom call's line)."""
   calls = []
@@ -169,11 +226,11 @@ def local(table):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--only", choices=("matmul", "rms_norm", "attention", "local"), action="append")
+  parser.add_argument("--only", choices=("matmul", "rms_norm", "attention", "fft", "local"), action="append")
   args = parser.parse_args()
   table = results.load(OUT)
   table["_config"] = {"devices": N, "jax": jax.__version__, "topologies": TOPOLOGIES}
-  for name in args.only or ("local", "matmul", "rms_norm", "attention"):
+  for name in args.only or ("local", "matmul", "rms_norm", "attention", "fft"):
     globals()[name](table)
   results.save(table, OUT)
 

@@ -133,6 +133,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, VmemOverflowError, check
@@ -951,6 +952,73 @@ def default_algorithm(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 
   return ("xla", None) if _prefer_xla(c, x.dtype) else _preferred_algorithm(c, x.dtype)
 
 
+_SPLITS = {
+    "batch": "local", "features": "local (w's output channels and bias along)",
+    "channels": "a psum of partial convolutions (all-reduce)",
+    "height": "a halo exchange (collective-permute; stride 1, an output as tall as the input)",
+    "width": "a halo exchange (collective-permute; stride 1, an output as wide as the input)",
+}
+_CONV_DIMS = dict(x=("batch", "height", "width", "channels"), w=(None, None, "channels", "features"),
+                  bias=("features",))
+
+
+def _halo(x, axis: int, names: tuple, k: int, lo: int, hi: int):
+  """``x``'s local rows along ``axis`` with ``lo`` rows of the previous device before them and ``hi``
+  of the next after them (zeros past the ends: the convolution's zero padding), by ``ppermute``."""
+  parts, m = [x], x.shape[axis]
+  if lo:
+    parts.insert(0, lax.ppermute(lax.slice_in_dim(x, m - lo, m, axis=axis), names, [(i, i + 1) for i in range(k - 1)]))
+  if hi:
+    parts.append(lax.ppermute(lax.slice_in_dim(x, 0, hi, axis=axis), names, [(i + 1, i) for i in range(k - 1)]))
+  return jnp.concatenate(parts, axis) if len(parts) > 1 else x
+
+
+def _split_conv(x, w, bias, c: _Conv, activation, out_dtype, kw):
+  """conv2d on a mesh (issue 56), or None when nothing is split. Per split logical dimension:
+  ``batch`` and ``features`` (w's O, bias along) are local; ``channels`` (x's C and w's I) is a
+  partial convolution per device, then one psum in f32, and only then the bias (once) and the
+  activation; ``height`` / ``width`` exchange halos with the neighbouring devices (``ppermute`` of
+  the rows the filter reaches past the shard: ``top`` rows from the previous device, ``bottom`` from
+  the next, zeros at the ends), then convolve the widened shard without padding on that axis.
+  Halos need stride 1 and a same-size output on that axis (``"SAME"``, or explicit padding summing
+  to the dilated kernel's extent minus one): ``"VALID"`` and strided outputs do not split evenly (a
+  KernelError). A :class:`WinogradFilter` splits like ``w`` (its ``u``: ``[m+2, m+2, cin, cout]``)."""
+  pre = isinstance(w, WinogradFilter)
+  operands = dict(x=x, w=w.u if pre else w, bias=bias)
+  split = partition.plan("conv2d", operands, _CONV_DIMS, splits=_SPLITS)
+  if split is None:
+    return None
+  if c.groups > 1 and (split.of("channels") or split.of("features")):
+    raise KernelError("feature_group_count", c.groups, "conv2d: a grouped convolution cannot split its channels or "
+                      f"features (split over {split.of('channels') or split.of('features')}): split batch, height "
+                      "or width")
+  ekh, ekw = (c.kh - 1) * c.dilation[0] + 1, (c.kw - 1) * c.dilation[1] + 1
+  for i, (name, size, ext) in enumerate((("height", c.h, ekh), ("width", c.w, ekw))):
+    if split.of(name):
+      lo, hi = c.pads[i]
+      check(c.strides[i] == 1, "strides", c.strides, f"conv2d: {name} is split over {split.of(name)}, which "
+            "needs stride 1 along it (a halo exchange): split batch or features instead")
+      check(lo + hi == ext - 1 and lo >= 0 and hi >= 0, "padding", c.pads,
+            f"conv2d: {name} is split over {split.of(name)}, which needs an output of the input's {name} "
+            f"(\"SAME\" padding: {ext - 1} in all along it, not {lo + hi}); \"VALID\" does not split evenly: "
+            "split batch or features instead")
+      check(max(lo, hi) <= size // split.size(name), "x", x, f"conv2d: the filter reaches {max(lo, hi)} rows "
+            f"past a shard of {size // split.size(name)} along {name}: split {name} over fewer devices")
+  pads = tuple((0, 0) if split.of(name) else c.pads[i] for i, name in enumerate(("height", "width")))
+
+  def local(x, w, bias=None):
+    for i, name in enumerate(("height", "width")):
+      if split.of(name):
+        x = _halo(x, 1 + i, split.of(name), split.size(name), *c.pads[i])
+    w = WinogradFilter(w, kw["tile_size"]) if pre else w
+    if split.of("channels"):
+      z = conv2d(x, w, padding=pads, bias=None, activation=None, out_dtype=jnp.float32, **kw)
+      return _epilogue(lax.psum(z, split.of("channels")), bias, activation).astype(out_dtype)
+    return conv2d(x, w, padding=pads, bias=bias, activation=activation, out_dtype=out_dtype, **kw)
+
+  return lambda: split.run(local, operands, _CONV_DIMS, ("batch", "height", "width", "features"))
+
+
 def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature_group_count=1, bias=None,
            activation=None, algorithm=None, tile_size=None, precision=None, out_dtype=None, block_sizes=None,
            implementation=None, interpret=None):
@@ -973,6 +1041,12 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
     out_dtype: the result dtype (default ``x``'s).
     block_sizes: a :class:`BlockSizes`; None for the per-generation default.
     implementation, interpret: see :func:`kernels.dispatch`.
+
+  On a mesh (explicitly sharded arrays, or :func:`kernels.sharding` rules) the logical dimensions
+  are x ``(batch, height, width, channels)``, w ``(-, -, channels, features)``, bias ``(features,)``:
+  batch and features split locally; channels split gives a partial convolution per device and one
+  f32 psum, then bias and activation; height / width split exchange halos with the neighbours
+  (``ppermute``; stride 1 and "SAME"-size padding on that axis only). See ``_split_conv``.
 
   Returns:
     ``[batch, ho, wo, cout]``. Differentiable in ``x``, ``w`` and ``bias`` (see the module doc
@@ -998,6 +1072,12 @@ def conv2d(x, w, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature
           "a WinogradFilter runs on the Pallas Winograd kernel only")
     algorithm, tile_size = "winograd", w.tile_size
   c = _validate(x, w, strides, padding, rhs_dilation, feature_group_count, bias)
+  split = _split_conv(x, w, bias, c, activation, jnp.dtype(out_dtype or x.dtype), dict(
+      strides=strides, rhs_dilation=rhs_dilation, feature_group_count=feature_group_count, algorithm=algorithm,
+      tile_size=tile_size, precision=precision, block_sizes=block_sizes, implementation=implementation,
+      interpret=interpret))
+  if split is not None:
+    return split()
   prefer_xla = None
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   blocks = _check_blocks(block_sizes)

@@ -2,7 +2,8 @@
 
 :mod:`~kernels.fourier.transforms` holds the transforms (``fft``, ``ifft``, ``rfft``, ``irfft`` and
 the 2-D ones); :mod:`~kernels.fourier.long_conv` builds ``fft_conv`` on them (one way: the
-transforms do not import the convolution).
+transforms do not import the convolution); :mod:`~kernels.fourier.sharded` is how the transforms
+partition themselves on a device mesh (the pencil decomposition for a split transformed axis).
 """
 from kernels.fourier.long_conv import fft_conv, fft_conv_fuses, fft_conv_reference
 from kernels.fourier.transforms import fft, fft2, ifft, ifft2, irfft, irfft2, rfft, rfft2

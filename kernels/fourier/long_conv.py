@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import check
@@ -369,6 +370,11 @@ def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementatio
   real), and ``implementation=None`` falls back to :func:`fft_conv_reference` where Pallas
   cannot serve.
 
+  On a mesh (see :func:`kernels.sharding`): ``batch`` and ``channels`` splits are local (``k``'s and
+  ``bias``' channels split along); a split ``seq`` is a KernelError (the causal convolution's zero
+  padding to ``2 * seq`` and the product of whole spectra need the full sequence: split batch or
+  channels instead, or reshard ``seq`` first).
+
   Returns:
     ``[batch, channels, seq]`` float32.
   """
@@ -382,6 +388,14 @@ def fft_conv(u, k, *, causal=True, bias=None, precision="highest", implementatio
     check(_is_array(bias) and tuple(bias.shape) == (c,), "bias", bias, f"must have shape {(c,)} ([channels])")
   check(isinstance(causal, bool), "causal", causal, "must be True or False")
   check(precision in PRECISIONS, "precision", precision, f"must be one of {PRECISIONS}")
+  operands, dims = dict(u=u, k=k, bias=bias), dict(u=("batch", "channels", "seq"), k=("channels", "seq"),
+                                                   bias=("channels",))
+  split = partition.plan("fft_conv", operands, dims, splits={"batch": "local", "channels": "local"})
+  if split is not None:  # batch and channels (k's and bias' along) are independent: each device convolves its own
+    def local(u, k, bias=None):
+      return fft_conv(u, k, causal=causal, bias=bias, precision=precision, implementation=implementation,
+                      interpret=interpret)
+    return split.run(local, operands, dims, dims["u"])
 
   def pallas(u, k, bias, interpret):
     if supported(t, causal, target_chip()):

@@ -119,6 +119,7 @@ from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import NoImplementationError, check
 from kernels.base.hardware import get_chip
+from kernels.fourier.sharded import partitioned
 
 __all__ = ["fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2",
            "PRECISIONS", "block_max", "plan", "supported_length", "vpu_stage1"]
@@ -713,6 +714,7 @@ def _complex_transform(x, n, axis, norm, precision, implementation, interpret, *
   return lax.complex(yr, yi)
 
 
+@partitioned("fft")
 def fft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
   """The discrete Fourier transform along ``axis``, as ``jnp.fft.fft``, computed on the MXU.
 
@@ -732,6 +734,7 @@ def fft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=No
   return _complex_transform(x, n, axis, norm, precision, implementation, interpret, inverse=False, name="fft")
 
 
+@partitioned("ifft")
 def ifft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
   """The inverse DFT along ``axis``, as ``jnp.fft.ifft``; ``x`` must be complex (or a plane pair).
 
@@ -750,6 +753,7 @@ def _real_input(x, name="x"):
   return x if jnp.issubdtype(d, jnp.floating) else x.astype(jnp.float32)
 
 
+@partitioned("rfft")
 def rfft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
   """The DFT of real ``x`` along ``axis``, its ``n // 2 + 1`` non-negative frequencies, as ``jnp.fft.rfft``.
 
@@ -774,6 +778,7 @@ def _hermitian_full(x, n: int, axis: int):
   return jnp.concatenate([x, jnp.conj(jnp.flip(tail, axis=axis))], axis=axis)
 
 
+@partitioned("irfft")
 def irfft(x, n=None, axis=-1, norm=None, *, precision="highest", implementation=None, interpret=None):
   """The inverse of :func:`rfft`, as ``jnp.fft.irfft``: a real signal of length ``n`` (default
   ``2 * (m - 1)`` for ``m`` input frequencies). ``x`` must be complex.
@@ -813,6 +818,7 @@ def _ndim(x):
   return x[0].ndim if isinstance(x, (tuple, list)) else x.ndim
 
 
+@partitioned("fft2")
 def fft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
   """The 2-D DFT over ``axes``, as ``jnp.fft.fft2``: :func:`fft` along each axis, last first."""
   _validate(x)
@@ -823,6 +829,7 @@ def fft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementa
   return x
 
 
+@partitioned("ifft2")
 def ifft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
   """The 2-D inverse DFT over ``axes``, as ``jnp.fft.ifft2``."""
   _validate(x, complex_required=True)
@@ -833,6 +840,7 @@ def ifft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implement
   return x
 
 
+@partitioned("rfft2")
 def rfft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
   """The 2-D DFT of real ``x``, as ``jnp.fft.rfft2``: :func:`rfft` on the last axis, :func:`fft` on the others."""
   x = _real_input(x)
@@ -844,6 +852,7 @@ def rfft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implement
   return x
 
 
+@partitioned("irfft2")
 def irfft2(x, s=None, axes=(-2, -1), norm=None, *, precision="highest", implementation=None, interpret=None):
   """The inverse of :func:`rfft2`, as ``jnp.fft.irfft2``: :func:`ifft` on the leading axes, :func:`irfft` on the last."""
   _validate(x, complex_required=True)
