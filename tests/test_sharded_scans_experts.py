@@ -345,7 +345,9 @@ def test_aot_scans_on_v5e_2x4():
   x, dt = sds((2, 1024, 8, 64), ("data", "model")), sds((2, 1024, 8), ("data", "model"), jnp.float32)
   A, bc = sds((8,), (None,), jnp.float32), sds((2, 1024, 1, 128), ("data", "model"))
   c, counts = compile_(lambda *v: kernels.ssd(*v, chunk_size=256), x, dt, A, bc, bc)
-  assert counts == {"all-gather": 2}
+  # the final states' all-gather; XLA writes the tiny decays' one (f32[4, 1, 8]) as an all-reduce of
+  # a dynamic-update-slice
+  assert counts == {"all-gather": 1, "all-reduce": 1}, counts
   _assert_arguments(c, local_bytes(x, dt, A, bc, bc))
   x, dt = sds((2, 1024, 8, 64), ("data", None, "model")), sds((2, 1024, 8), ("data", None, "model"), jnp.float32)
   bc = sds((2, 1024, 4, 128), ("data", None, "model"))
@@ -359,8 +361,9 @@ def test_aot_scan_gradient_on_v5p_2x2x2():
   a = sds((8, 1024, 512), ("data", "model", None))
   loss = lambda a, b: jnp.sum(kernels.linear_scan(a, b).astype(jnp.float32))  # noqa: E731
   c, counts = compile_(jax.grad(loss, (0, 1)), a, a)
-  # forward: two all-gathers; backward: their transposes (reduce-scatters, or all-reduces)
-  assert counts.get("all-gather", 0) == 2 and 2 <= counts.get("reduce-scatter", 0) + counts.get("all-reduce", 0), counts
+  # forward: the two all-gathers; backward: their transposes, which XLA combines into one all-reduce
+  # of the pair ([4, batch_local, width] f32 each), sliced on each device
+  assert counts == {"all-gather": 2, "all-reduce": 1}, counts
   _assert_arguments(c, local_bytes(a, a))
 
 
@@ -380,10 +383,12 @@ def test_aot_experts_on_v5e_2x4():
   lhs_k, rhs = sds((1024, 512), (None, "data")), sds((8, 512, 512), ("model", "data", None))
   c, counts = compile_(lambda l, r, g: kernels.gmm(l, r, g), lhs_k, rhs, gs)
   assert counts == {"all-reduce": 1}  # one psum over both axes
-  # tgmm: experts split over group_sizes: no collective.
+  # tgmm: experts split over group_sizes: each device its groups; the one collective gathers the 8
+  # group sizes (the first row of a device's groups needs the sizes before them).
   c, counts = compile_(lambda a, b, g: kernels.tgmm(a, b, g), sds((512, 1024), (None, None)),
                        sds((1024, 512), (None, "data")), sds((8,), ("model",), jnp.int32))
-  assert counts == {}
+  assert counts == {"all-reduce": 1}, counts
+  assert all("s32[8]" in line for line in c.hlo.splitlines() if "all-reduce(" in line)
   # moe: tokens over data and ffn over model: one all-reduce of the partial outputs (plus the aux
   # losses' small all-reduces over the token axis).
   x = sds((1024, 512), ("data", None))
