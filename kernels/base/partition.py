@@ -240,3 +240,18 @@ def collective(name: str) -> Callable:
   if name not in _COLLECTIVES:
     raise KernelError("sharding", name, "needs kernels.distributed: `import kernels` (not only a family) first")
   return _COLLECTIVES[name]
+
+
+def axis_position(axis_name) -> tuple[int, Any]:
+  """(size, this device's index) of a mesh axis, or of several taken together (a tuple of names,
+  major first, as one PartitionSpec entry splits a dimension over them). Inside a ``shard_map``."""
+  from jax import lax
+  names = _axes(axis_name)
+  if not names or not all(isinstance(a, str) for a in names):
+    raise KernelError("axis_name", axis_name, "must be a mesh axis name or a tuple of them")
+  try:
+    n = math.prod(int(lax.axis_size(a)) for a in names)
+  except NameError as e:
+    raise KernelError("axis_name", axis_name, "is not a bound mesh axis: call this inside jax.shard_map over a "
+                                              "mesh with that axis") from e
+  return n, lax.axis_index(names if len(names) > 1 else names[0])

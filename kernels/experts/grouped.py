@@ -95,6 +95,7 @@ import numpy as np
 from jax import lax
 
 from kernels.experts import grouped_kernels as K
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, TilingError, check
@@ -481,9 +482,20 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=No
   Returns:
     ``[tokens, n]``. Differentiable in ``lhs`` and ``rhs`` (the backward runs
     :func:`gmm` and :func:`tgmm`'s kernel) unless ``rhs`` is quantized.
+
+  Sharded (under ``jit`` on a mesh, see :mod:`kernels.base.partition`): ``rhs``'s ``n``
+  (``features``) splits locally. Its experts (``experts``, with ``group_sizes`` and
+  ``rhs_scale``) split as expert parallelism: ``lhs`` stays whole on every device, each device
+  runs its own groups' rows (``lhs`` rotated so they come first: rows of other groups give
+  zeros), and one ``psum`` over the experts' axes adds the disjoint rows (exact: the other
+  devices add zeros). ``k`` (``contract``, in ``lhs`` and ``rhs``) splits with a ``psum`` of the
+  f32 partial products. The token rows never split: their groups are global.
   """
   p = _validate_gmm(lhs, rhs, group_sizes, transpose_rhs, preferred_element_type, rhs_scale)
   blocks = _check_blocks(block_sizes)
+  split = _gmm_partition(lhs, rhs, group_sizes, rhs_scale, transpose_rhs)
+  if split is not None:
+    return _gmm_sharded(split, p, lhs, rhs, group_sizes, rhs_scale, block_sizes, implementation, interpret)
   return dispatch(
       "gmm", lhs, rhs, group_sizes, rhs_scale,
       pallas=lambda lhs, rhs, gs, sc, interpret: _gmm_pallas(lhs, rhs, gs, sc, p=p, blocks=blocks,
@@ -507,15 +519,84 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, block_sizes=None
 
   Returns:
     ``[experts, k, n]``; an empty group's slice is zero. Not differentiable itself.
+
+  Sharded (under ``jit`` on a mesh): ``k`` (``contract``, as in the :func:`gmm` whose weight
+  gradient this is) and ``n`` (``features``) split locally; a split ``experts`` (of
+  ``group_sizes``, or named by :func:`kernels.sharding`) gives each device its own groups'
+  slice of the result, from its groups' rows (no collective). The token rows never split.
   """
   p = _validate_tgmm(lhs, rhs, group_sizes, preferred_element_type)
   blocks = _check_blocks(block_sizes)
+  dims = dict(lhs=("contract", None), rhs=(None, "features"), group_sizes=("experts",))
+  operands = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+  split = partition.plan("tgmm", operands, dims, splits=_TGMM_SPLITS)
+  if split is not None:
+    ex = split.of("experts")
+
+    def local(lhs, rhs, group_sizes, all_sizes):
+      if ex:
+        start = _group_start(all_sizes, group_sizes.shape[0], ex, p.m)
+        lhs, rhs = jnp.roll(lhs, -start, axis=1), jnp.roll(rhs, -start, axis=0)  # this device's rows first
+      return tgmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, block_sizes=block_sizes,
+                  implementation=implementation, interpret=interpret)
+    return split.run(local, dict(operands, all_sizes=group_sizes), dict(dims, all_sizes=(None,)),
+                     ("experts", "contract", "features"))
   return dispatch(
       "tgmm", lhs, rhs, group_sizes,
       pallas=lambda lhs, rhs, gs, interpret: _tgmm_pallas(lhs, rhs, gs, p=p, blocks=blocks, static_sizes=None,
                                                           interpret=interpret),
       xla=lambda lhs, rhs, gs: _tgmm_xla(lhs, rhs, gs, p=p),
       implementation=implementation, interpret=interpret)
+
+
+# ---------------------------------------------------------------------------------
+# Sharded: one shard_map around the kernel (kernels.base.partition)
+# ---------------------------------------------------------------------------------
+
+_GMM_SPLITS = {"experts": "expert parallelism: each device its groups' rows, one psum of the disjoint rows",
+               "features": "local", "contract": "psum of the partial products"}
+_TGMM_SPLITS = {"experts": "each device its groups' slice, from its groups' rows", "features": "local",
+                "contract": "local"}
+
+
+def _gmm_dims(transpose_rhs: bool, rhs_scale):
+  w = ("experts", "features", "contract") if transpose_rhs else ("experts", "contract", "features")
+  scale = None if rhs_scale is None else ("experts",) + (None,) * (rhs_scale.ndim - 2) + ("features",)
+  return dict(lhs=(None, "contract"), rhs=w, group_sizes=("experts",), rhs_scale=scale)
+
+
+def _gmm_partition(lhs, rhs, group_sizes, rhs_scale, transpose_rhs):
+  operands = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, rhs_scale=rhs_scale)
+  return partition.plan("gmm", operands, _gmm_dims(transpose_rhs, rhs_scale), splits=_GMM_SPLITS)
+
+
+def _group_start(all_sizes, local_groups: int, axes, m: int):
+  """The first row of this device's groups: the sizes of the groups before them, summed as the
+  kernel reads them (negative sizes count as 0, the running sum stops at ``m``)."""
+  _, i = partition.axis_position(axes)
+  before = jnp.arange(all_sizes.shape[0]) < i * local_groups
+  return jnp.minimum(jnp.sum(jnp.where(before, jnp.maximum(all_sizes.astype(jnp.int32), 0), 0)), m)
+
+
+def _gmm_sharded(split, p: _Problem, lhs, rhs, group_sizes, rhs_scale, block_sizes, implementation, interpret):
+  """gmm on every device's shards (see :func:`gmm`'s "Sharded")."""
+  ex, kx = split.of("experts"), split.of("contract")
+  operands = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, rhs_scale=rhs_scale, all_sizes=group_sizes)
+  dims = dict(_gmm_dims(p.transpose_rhs, rhs_scale), all_sizes=(None,))
+
+  def local(lhs, rhs, group_sizes, all_sizes, rhs_scale=None):
+    start = _group_start(all_sizes, rhs.shape[0], ex, p.m) if ex else None
+    if ex:
+      lhs = jnp.roll(lhs, -start, axis=0)  # this device's groups' rows first; the rest past their sum: zeros
+    out = gmm(lhs, rhs, group_sizes, transpose_rhs=p.transpose_rhs, rhs_scale=rhs_scale,
+              preferred_element_type=jnp.float32 if kx else p.out_dtype, block_sizes=block_sizes,
+              implementation=implementation, interpret=interpret)
+    if ex:
+      out = jnp.roll(out, start, axis=0)
+    if ex or kx:
+      out = lax.psum(out, tuple(ex) + tuple(kx))
+    return out.astype(p.out_dtype)
+  return split.run(local, operands, dims, (None, "features"))
 
 
 def _static_sizes(group_sizes):

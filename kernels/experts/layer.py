@@ -100,6 +100,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.experts import grouped as gmm_mod
 from kernels.experts import grouped_kernels as K
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, VmemOverflowError, check
@@ -656,9 +657,38 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
     ``(y, aux)``: ``y`` ``[tokens, d]`` in ``x``'s dtype; ``aux`` a dict of
     ``load_balancing_loss``, ``z_loss`` (f32 scalars, differentiable), ``expert_load``,
     ``group_sizes`` (int32 ``[experts]``) and ``dropped_fraction``.
+
+  Sharded (under ``jit`` on a mesh, see :mod:`kernels.base.partition`): the tokens
+  (``batch``) split locally, each device routing its own; ``aux`` is still the whole batch's
+  (loads and group sizes summed, the mean router probabilities and ``z_loss`` averaged over
+  the token shards, so the losses equal the single-device ones). With ``capacity_factor`` and
+  split tokens the capacity applies per token shard (each device's tokens compete for its
+  own :func:`expert_capacity`), as in GShard. A split ``experts`` dimension (of ``w_gate``,
+  ``w_up`` and ``w_down``) runs expert parallelism
+  (:func:`kernels.distributed.expert_parallel_moe`, dropless): the tokens are also split over
+  the experts' axes (sliced locally if the batch is not already split there, and gathered
+  back after), and the routed tokens travel to their experts' devices and back. A split ffn
+  width (``mlp``: ``w_gate``/``w_up``'s last dim, ``w_down``'s middle one) gives partial
+  outputs added by one ``psum`` (in ``x``'s dtype); a concatenated ``w_gate`` is then sliced
+  on each device. ``d`` and the router never split.
   """
   _check_route_args(x, router_w, top_k, scoring, expert_bias, capacity_factor)
   _check_layer_args(x, router_w, w_gate, w_up, w_down, activation)
+  operands = dict(x=x, router_w=router_w, w_gate=w_gate, w_up=w_up, w_down=w_down, expert_bias=expert_bias)
+  dims = _moe_dims(w_up)
+  split = partition.plan("moe", operands, dims, splits=_MOE_SPLITS)
+  kw = dict(top_k=top_k, activation=activation, capacity_factor=capacity_factor, scoring=scoring,
+            normalize_weights=normalize_weights, block_sizes=block_sizes, implementation=implementation,
+            interpret=interpret)
+  if split is not None:
+    return _moe_sharded(split, operands, dims, **kw)
+  y, r = _local_layer(x, router_w, w_gate, w_up, w_down, expert_bias=expert_bias, **kw)
+  return y, _aux(r)
+
+
+def _local_layer(x, router_w, w_gate, w_up, w_down, *, top_k, activation, capacity_factor, scoring,
+                 normalize_weights, expert_bias, block_sizes, implementation, interpret):
+  """The layer on one device: ``(y, routing)``."""
   r = route(x, router_w, top_k=top_k, scoring=scoring, normalize_weights=normalize_weights,
             expert_bias=expert_bias, capacity_factor=capacity_factor)
   w_gate_up = w_gate if w_up is None else jnp.concatenate([w_gate, w_up], axis=2)
@@ -666,7 +696,67 @@ def moe(x, router_w, w_gate, w_up, w_down, *, top_k: int, activation: str = "sil
 
   def mlp(xs, wgu, wd, activation):
     return _experts(xs, wgu, wd, r.group_sizes, activation, **kw)
-  return _expert_layer(x, r, w_gate_up, w_down, activation, mlp), _aux(r)
+  return _expert_layer(x, r, w_gate_up, w_down, activation, mlp), r
+
+
+# ---------------------------------------------------------------------------------
+# Sharded: one shard_map around the layer (kernels.base.partition)
+# ---------------------------------------------------------------------------------
+
+_MOE_SPLITS = {"batch": "local: routing is per token, the aux losses those of the whole batch",
+               "experts": "expert parallelism (kernels.distributed.expert_parallel_moe: the routed tokens "
+                          "exchanged by two all-to-alls)",
+               "mlp": "local partial products, one psum"}
+
+
+def _moe_dims(w_up):
+  # The concatenated [experts, d, 2f] gate-and-up weight is never split along 2f (a shard would
+  # hold gate columns only, or up columns only): with "mlp" split each device slices its columns.
+  gate = ("experts", None, "mlp") if w_up is not None else ("experts", None, None)
+  return dict(x=("batch", None), router_w=(None, None), w_gate=gate, w_up=("experts", None, "mlp"),
+              w_down=("experts", "mlp", None), expert_bias=(None,))
+
+
+def _moe_sharded(split, operands, dims, *, capacity_factor, scoring, **kw):
+  """:func:`moe` on every device's shards (see :func:`moe`'s "Sharded")."""
+  from kernels.experts.parallel import expert_parallel_layer, global_aux  # (it imports this module)
+  tok, ex, mx = split.of("batch"), split.of("experts"), split.of("mlp")
+  extra = tuple(a for a in ex if a not in tok)  # expert axes the tokens are not split over: split them there
+  x = operands["x"]
+  if ex and capacity_factor is not None:
+    raise KernelError("capacity_factor", capacity_factor, "moe with its experts split (expert parallelism) is "
+                      "dropless: capacity_factor must be None (or split only the tokens and the ffn width)")
+  local_tokens = x.shape[0] // split.size("batch")
+  sub = math.prod(split.mesh.shape[a] for a in extra)
+  if local_tokens % sub:
+    raise KernelError("x", x, f"moe: the {local_tokens} tokens on each device do not divide over the {sub} devices "
+                              f"of the experts' axes {extra}, which expert parallelism splits them over")
+
+  def local(x, router_w, w_gate, w_down, w_up=None, expert_bias=None):
+    if w_up is None and mx:  # this device's gate and up columns of the concatenated weight
+      f = w_gate.shape[2] // 2
+      nm, j = partition.axis_position(mx)
+      w_gate, w_up = (lax.dynamic_slice_in_dim(w_gate, o + j * (f // nm), f // nm, 2) for o in (0, f))
+    if ex:
+      if extra:  # these tokens are on every device of `extra`: each takes its part
+        n, j = partition.axis_position(extra)
+        x = lax.dynamic_slice_in_dim(x, j * (x.shape[0] // n), x.shape[0] // n, 0)
+      y, r = expert_parallel_layer(x, router_w, w_gate, w_up, w_down, axis_name=ex, scoring=scoring,
+                                   expert_bias=expert_bias, **kw)
+      if extra:
+        y = lax.all_gather(y, extra, axis=0, tiled=True)
+    else:
+      y, r = _local_layer(x, router_w, w_gate, w_up, w_down, capacity_factor=capacity_factor, scoring=scoring,
+                          expert_bias=expert_bias, **kw)
+    if mx:  # each device's part of the ffn width: partial outputs
+      y = lax.psum(y, mx)
+    token_axes = tuple(tok) + extra
+    return [y, global_aux(x, router_w, r, scoring, token_axes) if token_axes else _aux(r)]
+
+  aux_dims = {"load_balancing_loss": (), "z_loss": (), "expert_load": (None,), "group_sizes": (None,),
+              "dropped_fraction": ()}
+  y, aux = split.run(local, operands, dims, [("batch", None), aux_dims])
+  return y, aux
 
 
 def _expert_layer(x, r: Routing, w_gate_up, w_down, activation: str, mlp):

@@ -123,9 +123,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.scan import chunked_bwd as _ssd_bwd
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
-from kernels.base.errors import TilingError, check
+from kernels.base.errors import KernelError, TilingError, check
 from kernels.base.hardware import get_chip
 
 __all__ = ["BlockSizes", "default_block_sizes", "gated_linear_attention", "gated_linear_attention_reference",
@@ -653,12 +654,33 @@ def ssd(x, dt, A, B, C, *, D=None, chunk_size=None, h0=None, reset=None, return_
     ``y`` ``[batch, seq, heads, head_dim]`` in ``x``'s dtype; with ``return_final_state``,
     ``(y, h_last)``. Differentiable in every array argument.
 
+  Sharded (under ``jit`` on a mesh, see :mod:`kernels.base.partition`): ``batch`` and
+  ``heads`` split locally, ``B`` and ``C``'s ``groups`` along with the heads (replicated
+  when there is one group; otherwise the groups must divide over the heads' shards); a split
+  sequence (``seq``) runs the sequence-parallel SSD
+  (:func:`kernels.distributed.sequence_parallel_ssd`: two local passes, one ``all_gather``
+  of each shard's final state and decay), the final state then the whole sequence's,
+  replicated over the sequence's mesh axes.
+
   Raises:
     KernelError: bad input, naming the argument, before anything is lowered.
   """
   _float("A", A)
   p = _validate(x, dt, A, B, C, D, h0, reset, return_final_state)
   blocks = _check_blocks(chunk_size, block_sizes)
+  operands = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, h0=h0, reset=reset)
+  split = _partition("ssd", operands, _SSD_DIMS, p, "B")
+  if split is not None:
+    from kernels.scan.sequence import sequence_parallel_ssd  # (it imports this module)
+
+    def local(x, dt, A, B, C, D=None, h0=None, reset=None):
+      kw = dict(D=D, h0=h0, reset=reset, return_final_state=True, chunk_size=chunk_size, block_sizes=block_sizes,
+                implementation=implementation, interpret=interpret, backward=backward)
+      if split.of("seq"):
+        return list(sequence_parallel_ssd(x, dt, A, B, C, axis_name=split.of("seq"), **kw))
+      return list(ssd(x, dt, A, B, C, **kw))
+    y, h = split.run(local, operands, _SSD_DIMS, [_SSD_DIMS["x"], _SSD_DIMS["h0"]])
+    return (y, h) if return_final_state else y
   f = _state_dtype(p.dtype)
   logdecay = dt.astype(f) * A.astype(f)
   y, h = _run("ssd", x, dt, logdecay, B, C, D, h0, reset, p=p, blocks=blocks, implementation=implementation,
@@ -698,11 +720,62 @@ def gated_linear_attention(q, k, v, log_decay, *, chunk_size=None, h0=None, rese
     log_decay: ``[batch, seq, heads]``, ``log`` of the decay (<= 0), any float dtype.
     chunk_size, h0 (``[batch, heads, value_dim, key_dim]``), reset, return_final_state,
     block_sizes, implementation, interpret, backward: as in :func:`ssd`.
+
+  Sharded like :func:`ssd` (``batch`` and ``heads`` local, a split ``seq`` the sequence-parallel
+  form, with the shard's decay ``exp(sum_t log_decay_t)``).
   """
   ones = _gla_args(q, k, v, log_decay)
   p = _validate(v, log_decay, None, k, q, None, h0, reset, return_final_state,
                 names=("v", "log_decay", "A", "k", "q"))
   blocks = _check_blocks(chunk_size, block_sizes)
+  operands = dict(q=q, k=k, v=v, log_decay=log_decay, h0=h0, reset=reset)
+  split = _partition("gated_linear_attention", operands, _GLA_DIMS, p, None)  # (one group per head)
+  if split is not None:
+    from kernels.scan.sequence import sequence_parallel_gated_linear_attention  # (it imports this module)
+
+    def local(q, k, v, log_decay, h0=None, reset=None):
+      kw = dict(h0=h0, reset=reset, return_final_state=True, chunk_size=chunk_size, block_sizes=block_sizes,
+                implementation=implementation, interpret=interpret, backward=backward)
+      if split.of("seq"):
+        return list(sequence_parallel_gated_linear_attention(q, k, v, log_decay, axis_name=split.of("seq"), **kw))
+      return list(gated_linear_attention(q, k, v, log_decay, **kw))
+    y, h = split.run(local, operands, _GLA_DIMS, [_GLA_DIMS["v"], _GLA_DIMS["h0"]])
+    return (y, h) if return_final_state else y
   y, h = _run("gated_linear_attention", v, ones, log_decay.astype(_state_dtype(p.dtype)), k, q, None, h0, reset,
               p=p, blocks=blocks, implementation=implementation, interpret=interpret, backward=backward)
   return (y, h) if return_final_state else y
+
+
+# ---------------------------------------------------------------------------------
+# Sharded: one shard_map around the kernel (kernels.base.partition)
+# ---------------------------------------------------------------------------------
+
+_TOKENS = ("batch", "seq", "heads", None)
+_SSD_DIMS = dict(x=_TOKENS, dt=("batch", "seq", "heads"), A=("heads",), D=("heads",),
+                 B=("batch", "seq", "groups", None), C=("batch", "seq", "groups", None),
+                 h0=("batch", "heads", None, None), reset=("batch", "seq"))
+_GLA_DIMS = dict(q=_TOKENS, k=_TOKENS, v=_TOKENS, log_decay=("batch", "seq", "heads"),
+                 h0=("batch", "heads", None, None), reset=("batch", "seq"))
+_SPLITS = {"batch": "local", "heads": "local", "groups": "along with heads",
+           "seq": "the sequence-parallel form: one all_gather of each shard's final state and decay"}
+
+
+def _partition(op: str, operands, dims, p: _Problem, b_name: str):
+  """The plan of a call, its ``groups`` following its ``heads``: split the same way when the
+  groups divide over the heads' shards, replicated when there is one group."""
+  split = partition.plan(op, operands, dims, splits=_SPLITS)
+  if split is None or b_name is None:
+    return split
+  heads, groups = split.of("heads"), split.of("groups")
+  b = operands[b_name]
+  if groups and groups != heads:
+    raise KernelError(b_name, b, f"{op}: splits its groups over {groups} but the heads over {heads or 'nothing'}: "
+                                 "the groups split only along with the heads, over the same mesh axes")
+  if heads and p.groups > 1 and not groups:
+    k = split.size("heads")
+    if p.groups % k:
+      raise KernelError(b_name, b, f"{op}: its {p.groups} groups do not divide over the {k} shards of the heads "
+                                   f"(split over {heads}): use one group (replicated), a multiple of {k} groups, "
+                                   "or split the heads over fewer devices")
+    split = dataclasses.replace(split, axes={**split.axes, "groups": heads})
+  return split

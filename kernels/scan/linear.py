@@ -100,6 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
 from kernels.base.errors import KernelError, TilingError, check
@@ -830,19 +831,90 @@ def linear_scan(a, b, *, h0=None, reverse=False, reset=None, return_final_state=
     ``return_final_state``, ``(h, h_last)`` where ``h_last`` is ``[batch, width]``
     float32 (complex64 for complex inputs), the state after ``t = seq - 1`` (after
     ``t = 0`` when reversed), unrounded. Differentiable in ``a``, ``b`` and ``h0`` (the
-    backward pass is a Pallas kernel); composes with jit, vmap and ``jax.shard_map`` (with
-    ``check_vma=False``, as any ``pallas_call`` needs; the batch and width axes may be
-    sharded, the sequence axis must not be).
+    backward pass is a Pallas kernel); composes with jit, vmap and ``jax.shard_map``.
+
+  Sharded (under ``jit`` on a mesh, see :mod:`kernels.base.partition`): ``batch`` and the
+  width (``embed``) split locally; a split sequence (``seq``, over one mesh axis or several)
+  runs the sequence-parallel scan (:func:`kernels.distributed.sequence_parallel_linear_scan`:
+  two local passes and one ``all_gather`` of each shard's final state and gate product), and
+  the final state is then the whole sequence's, replicated over the sequence's mesh axes. A
+  split sequence needs arrays (real or complex64), not plane pairs.
 
   Raises:
     KernelError: bad input, naming the argument, before anything is lowered.
   """
   p = _validate(a, b, h0, reset, reverse, return_final_state)
   blocks = _check_blocks(block_sizes)
+  split = _partition(a, b, h0, reset, p)
+  if split is not None:
+    return _sharded(split, p, a, b, h0, reset, return_final_state, block_sizes, implementation, interpret)
   h, last = dispatch(
       "linear_scan", a, b, h0, reset,
       pallas=lambda a, b, h0, reset, interpret: _pallas_entry(a, b, h0, reset, p=p, blocks=blocks,
                                                               interpret=interpret),
       xla=lambda a, b, h0, reset: _reference(a, b, h0, reset, p=p),
       implementation=implementation, interpret=interpret)
+  return (h, last) if return_final_state else h
+
+
+# ---------------------------------------------------------------------------------
+# Sharded: one shard_map around the kernel (kernels.base.partition)
+# ---------------------------------------------------------------------------------
+
+_ROWS = ("batch", "seq", "embed")
+_GATE_DIMS = {"full": _ROWS, "token": ("batch", "seq", None), "time": ("embed",)}
+_SPLITS = {"batch": "local", "embed": "local",
+           "seq": "the sequence-parallel scan: one all_gather of each shard's final state and gate product"}
+
+
+def _named(name: str, x):
+  """An argument as named operands: an array as itself, a plane pair as ``name`` and ``name_im``."""
+  if isinstance(x, (tuple, list)):
+    return {name: x[0], f"{name}_im": x[1]}
+  return {name: x}
+
+
+def _operands(a, b, h0, reset, p: _Problem):
+  operands = {**_named("a", a), **_named("b", b), **_named("h0", h0), "reset": reset}
+  gate = _GATE_DIMS[p.gate]
+  dims = {"a": gate, "a_im": gate, "b": _ROWS, "b_im": _ROWS, "h0": ("batch", "embed"), "h0_im": ("batch", "embed"),
+          "reset": ("batch", "seq")}
+  return operands, dims
+
+
+def _partition(a, b, h0, reset, p: _Problem):
+  operands, dims = _operands(a, b, h0, reset, p)
+  split = partition.plan("linear_scan", operands, dims, splits=_SPLITS)
+  if split is not None and split.of("seq") and p.planes == 2 and not p.complex_arrays:
+    raise KernelError("a", a, "linear_scan over a split sequence needs complex64 arrays, not (real, imaginary) "
+                              "plane pairs (or split only batch and width)")
+  return split
+
+
+def _sharded(split, p: _Problem, a, b, h0, reset, return_final_state, block_sizes, implementation, interpret):
+  """linear_scan on every device's shards: local, or the sequence-parallel scan when ``seq`` is split."""
+  pairs = isinstance(b, (tuple, list))
+  reverse = p.reverse
+  operands, dims = _operands(a, b, h0, reset, p)
+  seq = split.of("seq")
+
+  def join(ops, name):  # a plane pair back as a tuple
+    return (ops[name], ops[f"{name}_im"]) if f"{name}_im" in ops else ops.get(name)
+
+  def local(**ops):
+    a, b, h0 = join(ops, "a"), join(ops, "b"), join(ops, "h0")
+    kw = dict(h0=h0, reverse=reverse, reset=ops.get("reset"), return_final_state=True, block_sizes=block_sizes,
+              implementation=implementation, interpret=interpret)
+    if seq:
+      from kernels.scan.sequence import sequence_parallel_linear_scan  # (it imports this module)
+      h, last = sequence_parallel_linear_scan(a, b, axis_name=seq, **kw)
+    else:
+      h, last = linear_scan(a, b, **kw)  # inside the shard_map: plan() returns None
+    return [list(h), list(last)] if pairs else [h, last]
+
+  planes = [_ROWS, _ROWS] if pairs else _ROWS
+  states = [("batch", "embed")] * 2 if pairs else ("batch", "embed")
+  h, last = split.run(local, operands, dims, [planes, states])
+  if pairs:
+    h, last = tuple(h), tuple(last)
   return (h, last) if return_final_state else h

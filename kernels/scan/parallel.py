@@ -97,9 +97,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.base import calls
+from kernels.base import partition
 from kernels.base import tiling
 from kernels.base.backend import dispatch, target_chip
-from kernels.base.errors import check
+from kernels.base.errors import KernelError, check
 from kernels.base.hardware import get_chip
 
 __all__ = ["default_num_segments", "parallel_scan", "parallel_scan_reference"]
@@ -614,6 +615,18 @@ def _pallas_entry(x, A, B, C, h0, *, p: _Problem, num_segments, checkpoint, inte
   return y[0] if p.unbatched else y
 
 
+# Why no sequence-parallel form: across devices it would be this kernel's own segments (a local
+# scan per shard, the carries, a rescan), but a shard's transfer is the dense matrix A^s, the carry
+# chain a dense [batch, n] x [n, n] product per device, and the backward a second such chain in
+# A^T; the kernel returns no final state to build it from, and its segments already spread the
+# sequence over the MXU on one chip. So a split sequence is an error that names the alternatives.
+_NO_SEQUENCE_SPLIT = ("its dense n x n transition makes each shard's transfer the dense matrix A^seq_local and "
+                      "needs a final state the kernel does not return, so it has no sequence-parallel form here "
+                      "(its segments already parallelise the sequence on one chip). Split batch instead, gather the "
+                      "sequence first (jax.sharding.reshard(x, P(batch_axes, None, None))), or use linear_scan or "
+                      "ssd, which run sequence-parallel")
+
+
 def parallel_scan(x, A, B, C, *, h0=None, num_segments=None, checkpoint=True, implementation=None, interpret=None):
   """A dense linear time-invariant state-space model: ``h_t = h_{t-1} @ A + x_t @ B``, ``y_t = h_t @ C``.
 
@@ -641,11 +654,28 @@ def parallel_scan(x, A, B, C, *, h0=None, num_segments=None, checkpoint=True, im
     ``y``, ``[batch, seq, d_out]`` (``[seq, d_out]`` for an unbatched ``x``) in ``x``'s
     dtype. Differentiable in ``x``, ``A``, ``B``, ``C`` and ``h0`` (Pallas backward).
 
+  Sharded (under ``jit`` on a mesh, see :mod:`kernels.base.partition`): ``batch`` splits
+  locally; the sequence does not split (see ``_NO_SEQUENCE_SPLIT``: gather it first).
+
   Raises:
     KernelError: bad input (shapes that do not match, non-floating dtypes), naming the
       argument, before anything is lowered.
   """
   p = _validate(x, A, B, C, h0, num_segments, checkpoint)
+  batched = x.ndim == 3
+  rows = ("batch", "seq", None) if batched else ("seq", None)
+  dims = dict(x=rows, A=(None, None), B=(None, None), C=(None, None), h0=("batch", None) if batched else (None,))
+  operands = dict(x=x, A=A, B=B, C=C, h0=h0)
+  split = partition.plan("parallel_scan", operands, dims, splits={"batch": "local", "seq": "never: it has no sequence-parallel form"})
+  if split is not None:
+    if split.of("seq"):
+      raise KernelError("x", x, f"parallel_scan cannot split its sequence (split over {split.of('seq')}): "
+                                + _NO_SEQUENCE_SPLIT)
+
+    def local(x, A, B, C, h0=None):
+      return parallel_scan(x, A, B, C, h0=h0, num_segments=num_segments, checkpoint=checkpoint,
+                           implementation=implementation, interpret=interpret)
+    return split.run(local, operands, dims, rows)
   return dispatch(
       "parallel_scan", x, A, B, C, h0,
       pallas=lambda x, A, B, C, h0, interpret: _pallas_entry(x, A, B, C, h0, p=p, num_segments=num_segments,
