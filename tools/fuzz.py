@@ -427,8 +427,9 @@ def case_quantized_matmul(rng):
     out = kernels.quantized_matmul(a, b, a_scale, b_scale, **kw)
     odt = jnp.dtype(out_dtype or F32)
     sa, sb = to64(a_scale), to64(b_scale)
-    sa = sa if sa.ndim == 0 or sa.shape[-1] == 1 and sa.shape[-2:] == (m, 1) else sa[..., None]
-    sb = sb if sb.ndim == 0 or sb.ndim >= 2 and sb.shape[-2] == 1 else sb[..., None, :]
+    # by the shapes drawn, not a guess from the last axes: a batch (2, 1) + (m,) with m = 1 looks like (2,) + (m, 1)
+    sa = sa if sa.ndim == 0 or sa.shape in ((m, 1), ab + (m, 1)) else sa[..., None]
+    sb = sb if sb.ndim == 0 or sb.shape in ((1, n), bb + (1, n)) else sb[..., None, :]
     want = matmul_oracle(np, to64(a), to64(b), None if bias is None else to64(bias), transpose_a=ta, transpose_b=tb,
                          act=act, keep=keep, rate=rate, a_scale=sa, b_scale=sb)
     # int8 sums are exact in int32, fp8 products exact in f32: the float32 / bfloat16 tolerances above
