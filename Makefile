@@ -60,12 +60,17 @@ test-notebooks: $(STAMP)
 # --- fuzzing --------------------------------------------------------------
 # Random configurations of every kernel family in interpret mode against float64 oracles, forward and
 # gradients, plus malformed inputs (tools/fuzz.py), in one process. A failure prints the command that
-# reproduces it. Hours at the default; FUZZ_CASES=100 takes about half an hour.
+# reproduces it. Hours at the default; FUZZ_CASES=100 takes about half an hour. A long run splits into
+# pieces with identical results: FUZZ_FIRST=K runs cases K..K+FUZZ_CASES-1 (split at multiples of 5, so
+# the malformed inputs, one per five cases, add up too); FUZZ_LOG=path appends each family's counts as
+# a JSON line.
 FUZZ_SEED ?= 0
 FUZZ_CASES ?= 1000
+FUZZ_FIRST ?= 0
+FUZZ_LOG ?=
 
 fuzz: $(STAMP)
-	$(BIN)/python tools/fuzz.py --seed $(FUZZ_SEED) --cases $(FUZZ_CASES)
+	$(BIN)/python tools/fuzz.py --seed $(FUZZ_SEED) --cases $(FUZZ_CASES) --first $(FUZZ_FIRST) $(if $(FUZZ_LOG),--log $(FUZZ_LOG))
 
 clean:
 	rm -rf _build

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -74,3 +75,15 @@ def test_a_disagreement_and_a_raw_error_are_failures(monkeypatch):
   monkeypatch.setattr(kernels, "rms_norm", raw)
   bad = fuzz.run_malformed("norm", SEED, 0)
   assert bad is not None and "IndexError" in bad.error and "--malformed-case 0" in bad.repro()
+
+
+def test_a_run_splits_into_pieces_that_add_up(tmp_path):
+  # `--first K --cases N` runs cases K..K+N-1 and malformed inputs K/5..(K+N)/5-1, so pieces of a long run
+  # split at multiples of 5 run exactly what the whole run would; `--log` keeps each family's counts
+  log = tmp_path / "counts.jsonl"
+  for first in (0, 5):
+    assert fuzz.main(["--family", "tgmm", "--first", str(first), "--cases", "5", "--log", str(log)]) == 0
+  first, second = [json.loads(line) for line in log.read_text().splitlines()]
+  assert (first["first_case"], first["cases"], first["first_malformed"], first["malformed"]) == (0, 5, 0, 1)
+  assert (second["first_case"], second["cases"], second["first_malformed"], second["malformed"]) == (5, 5, 1, 1)
+  assert second["passed"] == 5 and second["malformed_passed"] == 1 and second["failed_cases"] == []

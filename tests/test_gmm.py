@@ -343,6 +343,21 @@ def test_xla_path_is_the_reference():
   assert_close(out, oracle_gmm(lhs, rhs, sizes), jnp.float32)
 
 
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_traced_sizes_are_clipped_on_both_paths(implementation):
+  # Traced sizes are clipped as documented: a negative size counts as 0 and the running sum stops at
+  # the tokens. The XLA path handed them to lax.ragged_dot unclipped, where the -130 moved the last
+  # group's rows back to 70..80 (found by tools/fuzz.py, tgmm seed 0 case 761).
+  sizes, clipped = [200, -130, 10, 150], [200, 0, 10, 90]
+  kw = dict(implementation=implementation, interpret=True if implementation else None, block_sizes=SMALL)
+  lhs, rhs = rand((M, KD), seed=26), rand((4, KD, N), seed=27)
+  out = jax.jit(lambda a, b, g: kernels.gmm(a, b, g, **kw))(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  assert_close(out, oracle_gmm(lhs, rhs, clipped), jnp.float32)
+  lt, rt = rand((KD, M), seed=28), rand((M, N), seed=29)
+  out = jax.jit(lambda a, b, g: kernels.tgmm(a, b, g, **kw))(lt, rt, jnp.asarray(sizes, jnp.int32))
+  assert_close(out, oracle_tgmm(lt, rt, clipped), jnp.float32)
+
+
 # --- block sizes ---------------------------------------------------------------------------
 
 

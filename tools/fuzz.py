@@ -12,9 +12,14 @@ module ``xp``: NumPy for the forward check, jax.numpy for the gradients); none c
 
     python tools/fuzz.py --seed 0 --cases 100                 # every family, 100 cases each
     python tools/fuzz.py --family attention --seed 0 --case 17   # one case, to reproduce a failure
+    python tools/fuzz.py --seed 0 --first 100 --cases 900 --log runs.jsonl   # cases 100..999 only
 
 A case is a pure function of ``(seed, family, case)``, so a failure reproduces on its own. Exit
 status 1 on any failure. ``make fuzz`` runs ``FUZZ_CASES`` cases per family (default 1000).
+
+A long run splits into pieces with identical results: ``--first K --cases N`` runs cases K..K+N-1 and
+malformed inputs K/5..(K+N)/5-1 (by default one per five cases), so pieces split at multiples of 5
+add up to the whole run. ``--log PATH`` appends each family's counts to PATH as a JSON line.
 
 Tolerances (|got - want| <= atol * max(1, max|want|) + rtol * |want| elementwise, the oracle in float64
 on the same dtype-rounded inputs) are stated per family and dtype beside each family; inputs are
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -421,8 +427,9 @@ def case_quantized_matmul(rng):
     out = kernels.quantized_matmul(a, b, a_scale, b_scale, **kw)
     odt = jnp.dtype(out_dtype or F32)
     sa, sb = to64(a_scale), to64(b_scale)
-    sa = sa if sa.ndim == 0 or sa.shape[-1] == 1 and sa.shape[-2:] == (m, 1) else sa[..., None]
-    sb = sb if sb.ndim == 0 or sb.ndim >= 2 and sb.shape[-2] == 1 else sb[..., None, :]
+    # by the shapes drawn, not a guess from the last axes: a batch (2, 1) + (m,) with m = 1 looks like (2,) + (m, 1)
+    sa = sa if sa.ndim == 0 or sa.shape in ((m, 1), ab + (m, 1)) else sa[..., None]
+    sb = sb if sb.ndim == 0 or sb.shape in ((1, n), bb + (1, n)) else sb[..., None, :]
     want = matmul_oracle(np, to64(a), to64(b), None if bias is None else to64(bias), transpose_a=ta, transpose_b=tb,
                          act=act, keep=keep, rate=rate, a_scale=sa, b_scale=sb)
     # int8 sums are exact in int32, fp8 products exact in f32: the float32 / bfloat16 tolerances above
@@ -2348,11 +2355,22 @@ class Stats:
   case_seconds: float = 0.0
   malformed_seconds: float = 0.0
   worst: float = 0.0  # the largest error / tolerance ratio among passing cases
+  first_case: int | None = None       # the smallest case index run
+  first_malformed: int | None = None  # the smallest malformed input index run
   failures: list = dataclasses.field(default_factory=list)
 
   @property
   def failed(self) -> int:
     return self.cases - self.passed
+
+  def record(self, seed: int) -> dict:
+    """The counts as one JSON-able dict (``--log``): enough to add up the pieces of a split run."""
+    ids = lambda kind: sorted(f.case for f in self.failures if f.kind == kind)  # noqa: E731
+    return dict(family=self.family, seed=seed, cases=self.cases, first_case=self.first_case, passed=self.passed,
+                malformed=self.malformed, first_malformed=self.first_malformed,
+                malformed_passed=self.malformed_passed, failed_cases=ids("case"),
+                failed_malformed=ids("malformed"), case_seconds=round(self.case_seconds, 1),
+                malformed_seconds=round(self.malformed_seconds, 1), worst=round(self.worst, 3))
 
   def line(self) -> str:
     per = self.case_seconds / self.cases if self.cases else 0.0
@@ -2404,12 +2422,17 @@ def run_malformed(family: str, seed: int, case: int) -> Failure | None:
     return Failure(family, seed, case, "malformed", dict(input=label, argument=argument), _error_text(e))
 
 
-def fuzz(families, seed: int, cases: int, malformed: int, *, only_case=None, only_malformed=None, out=print):
-  """Runs the families; returns their Stats (one line each printed by ``out``, with every failure)."""
+def fuzz(families, seed: int, cases: int, malformed: int, *, first: int = 0, malformed_first: int = 0,
+         only_case=None, only_malformed=None, out=print):
+  """Runs the families; returns their Stats (one line each printed by ``out``, with every failure).
+
+  Cases ``first .. first + cases - 1`` and malformed inputs ``malformed_first .. malformed_first + malformed - 1``."""
   all_stats = []
   for family in families:
     stats = Stats(family)
-    case_ids = [] if only_malformed is not None else ([only_case] if only_case is not None else range(cases))
+    case_ids = ([] if only_malformed is not None else
+                [only_case] if only_case is not None else range(first, first + cases))
+    stats.first_case = min(case_ids, default=None)
     for k in case_ids:
       t0 = time.perf_counter()
       _worst[0] = 0.0
@@ -2422,7 +2445,9 @@ def fuzz(families, seed: int, cases: int, malformed: int, *, only_case=None, onl
       else:
         stats.failures.append(failure)
         _report(failure, out)
-    bad_ids = [] if only_case is not None else ([only_malformed] if only_malformed is not None else range(malformed))
+    bad_ids = ([] if only_case is not None else
+               [only_malformed] if only_malformed is not None else range(malformed_first, malformed_first + malformed))
+    stats.first_malformed = min(bad_ids, default=None)
     for k in bad_ids:
       t0 = time.perf_counter()
       failure = run_malformed(family, seed, k)
@@ -2447,7 +2472,10 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--cases", type=int, default=100, help="random cases per family")
   parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="repeatable; default: all")
-  parser.add_argument("--malformed", type=int, default=None, help="malformed inputs per family (default: cases / 5)")
+  parser.add_argument("--first", type=int, default=0, help="the first case (cases FIRST..FIRST+CASES-1 run)")
+  parser.add_argument("--malformed", type=int, default=None,
+                      help="malformed inputs per family, from FIRST/5 (default: one per five cases, at least 1)")
+  parser.add_argument("--log", default=None, help="append each family's counts to this file as a JSON line")
   parser.add_argument("--case", type=int, default=None, help="run only this case (reproduces a failure)")
   parser.add_argument("--malformed-case", type=int, default=None, help="run only this malformed input")
   args = parser.parse_args(argv)
@@ -2455,11 +2483,18 @@ def main(argv=None) -> int:
   # than they save there (tests/cpu_compile.py, which the test suite uses too).
   from tests.cpu_compile import cpu_programs_compile_unoptimized
   cpu_programs_compile_unoptimized()
-  malformed = args.malformed if args.malformed is not None else max(1, args.cases // 5)
+  # malformed inputs first/5 .. (first+cases)/5 - 1, so that pieces split at multiples of 5 add up to the whole run
+  malformed_first = args.first // 5
+  malformed = (args.malformed if args.malformed is not None
+               else max(1, (args.first + args.cases) // 5 - malformed_first))
   families = args.family or list(FAMILIES)
   t0 = time.perf_counter()
-  stats = fuzz(families, args.seed, args.cases, malformed, only_case=args.case, only_malformed=args.malformed_case,
-               out=lambda s: print(s, flush=True))
+  stats = fuzz(families, args.seed, args.cases, malformed, first=args.first, malformed_first=malformed_first,
+               only_case=args.case, only_malformed=args.malformed_case, out=lambda s: print(s, flush=True))
+  if args.log:
+    with open(args.log, "a") as f:
+      for s in stats:
+        f.write(json.dumps(s.record(args.seed)) + "\n")
   failed = sum(len(s.failures) for s in stats)
   print(f"total: {sum(s.cases for s in stats)} cases, {sum(s.malformed for s in stats)} malformed inputs, "
         f"{failed} failures, {time.perf_counter() - t0:.0f} s", flush=True)

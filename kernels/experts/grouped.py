@@ -330,12 +330,19 @@ def _row_groups(group_sizes, m: int):
   return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
+def _clipped_sizes(group_sizes, m: int):
+  """The sizes as the kernels read them (a negative size counts as 0, the running sum stops at ``m``):
+  ``lax.ragged_dot`` takes them as they are, so a negative size would move the groups after it."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+  return jnp.diff(ends, prepend=0)
+
+
 def _gmm_xla(lhs, rhs, group_sizes, rhs_scale, *, p: _Problem):
   w = jnp.swapaxes(rhs, 1, 2) if p.transpose_rhs else rhs
   acc = jnp.float64 if jnp.float64 in (p.lhs_dtype, p.out_dtype) else jnp.float32
   if p.quantized:
     w = w.astype(p.lhs_dtype)
-  out = lax.ragged_dot(lhs, w, group_sizes.astype(jnp.int32), preferred_element_type=acc)
+  out = lax.ragged_dot(lhs, w, _clipped_sizes(group_sizes, p.m), preferred_element_type=acc)
   gid = _row_groups(group_sizes, p.m)
   if p.quantized:
     scale = rhs_scale.reshape(p.experts, p.n).astype(jnp.float32)
@@ -350,7 +357,7 @@ def _tgmm_xla(lhs, rhs, group_sizes, *, p: _Problem):
   rhs = jnp.where((gid < p.experts)[:, None], rhs, 0)  # rows past the sum take no part
   dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (0,)), ((), ())),
                                        lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
-  out = lax.ragged_dot_general(lhs, rhs, group_sizes.astype(jnp.int32), dims, preferred_element_type=acc)
+  out = lax.ragged_dot_general(lhs, rhs, _clipped_sizes(group_sizes, p.m), dims, preferred_element_type=acc)
   return out.astype(p.out_dtype)
 
 
